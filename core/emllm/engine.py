@@ -1,0 +1,390 @@
+"""The engine: a causal LM whose attention has an episodic memory, read in chunks and generating token by token.
+
+    engine = EMEngine.from_pretrained()                 # embedded SmolLM2-135M-Instruct, preset "SM"
+    memory = engine.new_memory()
+    result = engine.chat([{"role": "user", "content": book + "\\n\\nWho wrote the letter?"}], memory=memory)
+    result = engine.chat(messages + [answer, follow_up], memory=memory)   # reads only the new tokens
+
+One engine holds the model; each conversation has its own EpisodicMemory, so many conversations can share one
+loaded model. A memory remembers the exact token ids it has read: a prompt that extends them is read from where
+the memory stopped (continuation), anything else is refused rather than silently mixed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from . import attention
+from .config import ConfigError, EMConfig
+from .memory import EpisodicMemory, ModelShape
+from .rope import RotaryTable
+
+Message = dict[str, str]
+Prompt = str | Sequence[Message] | Sequence[int]
+
+
+class MemoryMismatchError(ValueError):
+    """The prompt does not extend what the memory has read; continuing would mix two conversations."""
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    finish_reason: str              # "stop" (end of turn or a stop string) or "length"
+    input_tokens: int               # prompt tokens, including those the memory had already read
+    output_tokens: int              # tokens generated (what the tokenizer counts for `text` plus any stop)
+    new_input_tokens: int           # prompt tokens actually read by this call
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Inspection:
+    tokens: list[str]
+    surprise: torch.Tensor          # [n] float32, NaN for the first token
+    event_starts: torch.Tensor      # [events] absolute start positions (sinks are tokens [0, n_init))
+    stats: dict[str, Any]
+
+
+class TextStream:
+    """An iterator of text deltas; ``result`` holds the GenerationResult once it is exhausted."""
+
+    def __init__(self, deltas: Iterator[str], holder: dict):
+        self._deltas, self._holder = deltas, holder
+
+    def __iter__(self) -> Iterator[str]:
+        return self._deltas
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    @property
+    def result(self) -> GenerationResult:
+        if "result" not in self._holder:
+            raise RuntimeError("The stream has not finished yet: iterate it to the end first.")
+        return self._holder["result"]
+
+
+class EMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EMConfig | None = None, *,
+                 model_name: str = "model"):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or EMConfig.from_preset("SM")
+        self.model_name = model_name
+        mc = model.config
+        heads = mc.num_attention_heads
+        self.shape = ModelShape(
+            num_layers=mc.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // heads,
+            dtype=model.dtype, max_positions=mc.max_position_embeddings)
+        self.config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
+        rotary = attention.find_rotary_module(model)
+        self.layer_devices = [next(layer.parameters()).device for layer in model.model.layers]
+        table_size = self.config.max_position() if self.config.attention == "episodic" else self.shape.max_positions
+        self._rotary = rotary
+        self._ropes = {d: RotaryTable.from_rotary_module(rotary, table_size, self.shape.dtype, d)
+                       for d in dict.fromkeys(self.layer_devices)}
+        attention.install(model)
+        self.input_device = model.get_input_embeddings().weight.device
+        self.store_device = self.layer_devices[0]
+        self.eos_ids = _end_of_turn_ids(model, tokenizer)
+        self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, *, preset: str = "SM", config: EMConfig | None = None,
+                        dtype: torch.dtype | str = "auto", device: str | None = None,
+                        device_map: str | dict | None = None, progress: bool = True, **overrides: Any) -> "EMEngine":
+        """Load a model (None = the embedded default) and give it an episodic memory.
+
+        ``preset`` is one of S, SM, SC, S+C, SM+C, F, FM, FC, full; any EMConfig field can be overridden by name.
+        """
+        from .models import DEFAULT_MODEL, load_model
+
+        if config is None:
+            config = EMConfig.from_preset(preset, **overrides)
+        elif overrides:
+            config = config.replace(**overrides)
+        hf_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map, progress=progress)
+        return cls(hf_model, tokenizer, config, model_name=str(model or DEFAULT_MODEL))
+
+    # ------------------------------------------------------------------ memories
+    def new_memory(self, config: EMConfig | None = None) -> EpisodicMemory:
+        """A fresh, empty episodic memory (optionally with other memory settings for this conversation)."""
+        config = config or self.config
+        if config is not self.config:
+            config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
+        ropes = self._ropes
+        if config.attention == "episodic" and config.max_position() > next(iter(ropes.values())).cos.shape[0]:
+            ropes = {d: RotaryTable.from_rotary_module(self._rotary, config.max_position(), self.shape.dtype, d)
+                     for d in ropes}
+        memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
+        self._memories.add(memory)
+        return memory
+
+    def close(self) -> None:
+        """Close every memory this engine made (their disk pages are removed)."""
+        for memory in list(self._memories):
+            memory.close()
+
+    # ------------------------------------------------------------------ text <-> tokens
+    def tokenize(self, text: str) -> list[int]:
+        _check_text(text)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation in the model's chat template (consecutive same-role turns merged)."""
+        messages = normalize_messages(messages)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
+            return self.tokenize(text)
+        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError("The prompt is empty: pass text, a non-empty list of messages, or token ids.")
+        if all(isinstance(p, int) for p in prompt):
+            return prompt
+        if all(isinstance(p, dict) for p in prompt):
+            return self.chat_ids(prompt)
+        raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
+                        f"got a list of {sorted({type(p).__name__ for p in prompt})}.")
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------ reading
+    def read(self, memory: EpisodicMemory, ids: Sequence[int] | str, *, progress: bool = False) -> int:
+        """Read tokens (or text) into the memory in chunks; returns how many were read."""
+        if isinstance(ids, str):
+            ids = self.tokenize(ids)
+        if memory.closed:
+            raise RuntimeError("This episodic memory was closed; start a new one with engine.new_memory().")
+        self._check_budget(memory, len(ids))
+        tokens = torch.tensor(list(ids), dtype=torch.long)
+        chunk = memory.config.chunk_size
+        with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
+                  dynamic_ncols=True) as bar:
+            for start in range(0, len(tokens), chunk):
+                piece = tokens[start:start + chunk]
+                self._forward(memory, piece, retrieve=True)
+                bar.update(len(piece))
+                bar.set_postfix(events=memory.num_events, refresh=False)
+        return len(tokens)
+
+    def _check_budget(self, memory: EpisodicMemory, n: int) -> None:
+        limit = memory.config.max_input_tokens
+        if limit is not None and memory.total_tokens + n > limit:
+            raise ValueError(f"Reading {n} more tokens would bring this memory to {memory.total_tokens + n} tokens, "
+                             f"over max_input_tokens={limit}. Raise max_input_tokens or shorten the input.")
+
+    def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool) -> torch.Tensor:
+        memory.retrieve_now = retrieve
+        with torch.inference_mode():
+            out = self.model(input_ids=ids[None].to(self.input_device), emllm_memory=memory, use_cache=False)
+            logits = out.logits[0]  # [q, vocab]
+            memory.observe(ids, logits)
+            memory.evict()
+        return logits
+
+    # ------------------------------------------------------------------ generating
+    def stream(self, prompt: Prompt, *, memory: EpisodicMemory | None = None, max_new_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop: Sequence[str] | None = None, progress: bool = False) -> TextStream:
+        """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read."""
+        _check_sampling(max_new_tokens, temperature, top_p, top_k)
+        stop = [s for s in (stop or []) if s]
+        ids = self.prompt_ids(prompt)
+        own_memory = memory is None
+        memory = memory if memory is not None else self.new_memory()
+        holder: dict = {}
+        return TextStream(self._run(memory, ids, own_memory, max_new_tokens, temperature, top_p, top_k, seed,
+                                    stop, progress, holder), holder)
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def chat(self, messages: Sequence[Message], **kwargs: Any) -> GenerationResult:
+        return self.generate(list(messages), **kwargs)
+
+    def _run(self, memory: EpisodicMemory, ids: list[int], own_memory: bool, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str], progress: bool,
+             holder: dict) -> Iterator[str]:
+        try:
+            seen = memory.total_tokens
+            if memory.token_ids != ids[:seen] or (seen == len(ids) and memory.last_logits is None):
+                raise MemoryMismatchError(
+                    f"The prompt ({len(ids)} tokens) does not extend the {seen} tokens this memory has read "
+                    f"(they first differ at token {_first_difference(memory.token_ids, ids)}). Use a new memory "
+                    "for a different conversation.")
+            started = time.perf_counter()
+            self.read(memory, ids[seen:], progress=progress)
+            prefill = time.perf_counter() - started
+            generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+            generated: list[int] = []
+            emitted, finish = "", "length"
+            started = time.perf_counter()
+            every = memory.config.decode_retrieve_every
+            for step in range(max_new_tokens):
+                token = sample_token(memory.last_logits, temperature, top_p, top_k, generator)
+                if token in self.eos_ids:
+                    finish = "stop"
+                    generated.append(token)
+                    break
+                generated.append(token)
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                cut = _find_stop(text, stop, len(emitted))
+                if cut is not None:
+                    if cut > len(emitted):
+                        yield text[len(emitted):cut]
+                    emitted, finish = text[:cut], "stop"
+                    break
+                safe = _safe_length(text, stop)
+                if safe > len(emitted):
+                    yield text[len(emitted):safe]
+                    emitted = text[:safe]
+                if step + 1 < max_new_tokens:
+                    self._forward(memory, torch.tensor([token]), retrieve=(step + 1) % every == 0)
+            else:
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if len(text) > len(emitted):
+                    yield text[len(emitted):]
+                emitted = text
+            holder["result"] = GenerationResult(
+                text=emitted, finish_reason=finish, input_tokens=len(ids), output_tokens=len(generated),
+                new_input_tokens=len(ids) - seen, prefill_seconds=prefill,
+                decode_seconds=time.perf_counter() - started, token_ids=generated)
+        finally:
+            if own_memory:
+                memory.close()
+
+    # ------------------------------------------------------------------ inspection
+    def inspect(self, text: str, *, progress: bool = False) -> Inspection:
+        """Surprise per token and event boundaries for a text (read into a throwaway memory)."""
+        memory = self.new_memory()
+        try:
+            self.read(memory, text, progress=progress)
+            window = memory.layers[0].length
+            provisional = memory.segment(window) + memory.local_start if window else torch.empty(0, dtype=torch.long)
+            starts = torch.cat([memory.event_boundaries(), provisional])
+            tokens = self.tokenizer.convert_ids_to_tokens(memory.token_ids)
+            return Inspection(tokens=tokens, surprise=memory.surprise.clone(), event_starts=starts,
+                              stats=memory.stats())
+        finally:
+            memory.close()
+
+
+# ---------------------------------------------------------------------- helpers
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                 generator: torch.Generator | None) -> int:
+    """Greedy when temperature is 0; otherwise temperature, then top-k, then nucleus (top-p) sampling."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.detach().float().cpu() / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        outside = torch.cumsum(probs, dim=-1) - probs > top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def normalize_messages(messages: Sequence[Message]) -> list[Message]:
+    """Messages as {'role', 'content'} with consecutive same-role turns merged (some templates reject them)."""
+    merged: list[Message] = []
+    for message in messages:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise TypeError(f"A chat message is a dict with 'role' and 'content', got {message!r}.")
+        role, content = message["role"], message["content"]
+        if not isinstance(content, str):
+            raise TypeError(f"Message content must be text, got {type(content).__name__} for role {role!r}.")
+        if role not in ("system", "user", "assistant"):
+            raise ValueError(f"Unknown message role {role!r}; use 'system', 'user' or 'assistant'.")
+        if merged and merged[-1]["role"] == role:
+            merged[-1] = {"role": role, "content": merged[-1]["content"] + "\n\n" + content}
+        else:
+            merged.append({"role": role, "content": content})
+    if not merged:
+        raise ValueError("The conversation is empty: pass at least one message.")
+    if not any(m["content"].strip() for m in merged):
+        raise ValueError("Every message is empty or whitespace: there is nothing to answer.")
+    return merged
+
+
+def _end_of_turn_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            ids.update(value if isinstance(value, (list, tuple, set)) else [value])
+    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token) if token in tokenizer.get_vocab() else None
+        if token_id is not None:
+            ids.add(token_id)
+    return ids
+
+
+def _check_text(text: Any) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"Expected text (str), got {type(text).__name__}.")
+    if not text.strip():
+        raise ValueError("The input text is empty or only whitespace: give the model something to read.")
+
+
+def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}.")
+
+
+def _find_stop(text: str, stop: list[str], emitted: int) -> int | None:
+    """Earliest position of any stop string that ends after what was already emitted."""
+    hits = [i for s in stop if (i := text.find(s, max(0, emitted - len(s) + 1))) != -1]
+    return min(hits) if hits else None
+
+
+def _safe_length(text: str, stop: list[str]) -> int:
+    """How much text can be emitted: hold back a trailing partial character or a possible stop-string start."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    holdback = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, end), holdback, -1):
+            if text[:end].endswith(s[:k]):
+                holdback = k
+                break
+    return end - holdback
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

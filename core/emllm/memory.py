@@ -1,0 +1,298 @@
+"""One conversation's episodic memory: attention sinks, the local window, and the events evicted from it.
+
+Token flow (absolute positions count every token read since the memory was created):
+
+    [0, n_init)                 attention sinks, kept forever (exact positions until the first eviction)
+    [n_init, n_init + evicted)  events in the PageStore, each a contiguous token range with a representative
+    [local_start, total)        the local window, attended with exact relative positions
+
+After every forward pass the engine calls ``evict()``: once the window holds ``max_block_size`` tokens more than
+``n_local``, whole events are cut from its oldest part (surprise boundaries, optionally refined, size limits) and
+moved to storage. The tokens after the last complete event stay local, so the window is never more than
+``n_local + 2 * max_block_size + chunk_size`` tokens long (EMConfig.max_position).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import segmentation
+from .config import EMConfig
+from .retrieval import ContiguityBuffer, RepresentativeIndex, fill_budget, token_index_of_events
+from .rope import RotaryTable
+from .storage import PageStore
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_positions: int
+
+
+class LayerMemory:
+    """The tensors of one layer: local window (raw and rotated keys), sinks, representatives, retrieved KV."""
+
+    def __init__(self, layer_index: int, config: EMConfig, shape: ModelShape, device: torch.device,
+                 rope: RotaryTable):
+        self.layer_index = layer_index
+        self.config, self.shape, self.device, self.rope = config, shape, device, rope
+        kv, d = shape.num_kv_heads, shape.head_dim
+        capacity = config.max_position() if config.attention == "episodic" else config.chunk_size
+        self.keys = torch.empty(kv, capacity, d, dtype=shape.dtype, device=device)        # [kv, cap, d] raw
+        self.values = torch.empty_like(self.keys)                                         # [kv, cap, d]
+        self.rotated = torch.empty_like(self.keys)        # keys rotated at their window position
+        self.scores = torch.zeros(kv, capacity, dtype=torch.float32, device=device)       # attention received
+        self.length = 0            # tokens in the window
+        self.rotated_length = 0    # prefix of `rotated` that is valid for the current window start
+        self.sink_keys = torch.empty(kv, 0, d, dtype=shape.dtype, device=device)  # rotated at position 0
+        self.sink_values = torch.empty(kv, 0, d, dtype=shape.dtype, device=device)
+        self.index = RepresentativeIndex(kv * d, device, config.retrieval_backend, config.faiss_min_events)
+        self.contiguity = ContiguityBuffer(config.contiguity_tokens, config.contiguity_neighbours)
+        self.retrieved_ids: tuple[int, ...] = ()
+        self.memory_keys = self.sink_keys      # [kv, m, d] sinks + retrieved events, rotated at position 0
+        self.memory_values = self.sink_values
+        self.retrievals = 0
+
+    # ------------------------------------------------------------------ local window
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values: [kv, q, d] of the tokens being read (un-rotated)."""
+        q = keys.shape[1]
+        if self.length + q > self.keys.shape[1]:
+            if self.config.attention == "episodic":
+                raise RuntimeError("local window overflow: evict() was not called between forward passes")
+            self._grow(max(2 * self.keys.shape[1], self.length + q))
+        self.keys[:, self.length:self.length + q] = keys
+        self.values[:, self.length:self.length + q] = values
+        self.scores[:, self.length:self.length + q] = 0
+        self.length += q
+
+    def _grow(self, capacity: int) -> None:
+        """Only full attention grows; episodic windows are preallocated at their maximum size."""
+        for name in ("keys", "values", "rotated"):
+            old = getattr(self, name)
+            new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
+        scores = torch.zeros(self.scores.shape[0], capacity, dtype=torch.float32, device=self.device)
+        scores[:, : self.length] = self.scores[:, : self.length]
+        self.scores = scores
+
+    def window_keys(self) -> torch.Tensor:
+        """[kv, length, d] keys rotated at their position in the window; only new tokens are rotated."""
+        if self.rotated_length < self.length:
+            positions = torch.arange(self.rotated_length, self.length, device=self.device)
+            self.rotated[:, self.rotated_length:self.length] = self.rope.rotate(
+                self.keys[:, self.rotated_length:self.length], positions)
+            self.rotated_length = self.length
+        return self.rotated[:, : self.length]
+
+    def window_values(self) -> torch.Tensor:
+        return self.values[:, : self.length]
+
+    def drop_oldest(self, n: int) -> None:
+        """Remove the n oldest window tokens; the rest move to the front and must be re-rotated."""
+        keep = self.length - n
+        for buffer in (self.keys, self.values, self.scores):
+            buffer[:, :keep] = buffer[:, n:self.length].clone()
+        self.length = keep
+        self.rotated_length = 0
+
+    # ------------------------------------------------------------------ memory part
+    def set_sinks(self, n: int) -> None:
+        """The first n window tokens become attention sinks at the fixed memory position."""
+        positions = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.sink_keys = self.rope.rotate(self.keys[:, :n], positions).clone()
+        self.sink_values = self.values[:, :n].clone()
+        self.memory_keys, self.memory_values = self.sink_keys, self.sink_values
+        self.drop_oldest(n)
+
+    def add_events(self, starts: torch.Tensor, sizes: torch.Tensor, topk: int) -> torch.Tensor:
+        """Representatives of events covering window[0, sum(sizes)); returns their KV rotated at position 0.
+
+        starts, sizes: [e] window-relative. Returns [2, n, kv, d] for storage (n = sum(sizes)).
+        """
+        n = int(sizes.sum())
+        keys = self.rope.rotate(self.keys[:, :n], torch.zeros(n, dtype=torch.long, device=self.device))
+        self.index.add(event_representatives(keys, self.scores[:, :n], starts.to(self.device),
+                                             sizes.to(self.device), topk))
+        return torch.stack([keys, self.values[:, :n]]).transpose(1, 2)  # [2, n, kv, d]
+
+    def retrieve(self, query: torch.Tensor, memory: "EpisodicMemory") -> None:
+        """Choose events for this layer from query [kv * d] and load their KV after the sinks."""
+        config = self.config
+        candidates = min(self.index.size, config.similarity_tokens // config.min_block_size + 1)
+        _, best = self.index.search(query, candidates)
+        sizes = memory.event_sizes
+        similar = fill_budget(best.to("cpu"), sizes, config.similarity_tokens).tolist()
+        neighbours = self.contiguity.update(similar, sizes, self.index.size)
+        chosen = tuple(sorted(set(similar).union(neighbours)))
+        self.retrievals += 1
+        if chosen == self.retrieved_ids:
+            return
+        self.retrieved_ids = chosen
+        if not chosen:
+            self.memory_keys, self.memory_values = self.sink_keys, self.sink_values
+            return
+        ids = torch.tensor(chosen, dtype=torch.long)
+        tokens = token_index_of_events(ids, memory.event_starts, sizes)
+        keys, values = memory.store.gather(self.layer_index, tokens, self.device)
+        self.memory_keys = torch.cat([self.sink_keys, keys], dim=1)
+        self.memory_values = torch.cat([self.sink_values, values], dim=1)
+
+
+def event_representatives(keys: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
+                          topk: int) -> torch.Tensor:
+    """Per event and KV head, the mean key of the topk most-attended tokens: [e, kv * d] float32.
+
+    keys [kv, n, d], scores [kv, n]; events are the contiguous ranges (starts, sizes). Events are padded to the
+    longest one so all are handled in one topk, padding scored -inf and excluded from the mean.
+    """
+    kv, n, d = keys.shape
+    e, longest = starts.shape[0], int(sizes.max())
+    offsets = torch.arange(longest, device=keys.device)                       # [longest]
+    token = starts[:, None] + offsets[None, :]                                # [e, longest]
+    valid = offsets[None, :] < sizes[:, None]                                 # [e, longest]
+    token = torch.where(valid, token, torch.zeros_like(token))
+    padded = scores[:, token].masked_fill(~valid[None], float("-inf"))        # [kv, e, longest]
+    k = min(topk, longest)
+    top_scores, top = padded.topk(k, dim=-1)                                  # [kv, e, k]
+    chosen = torch.gather(token[None].expand(kv, -1, -1), 2, top)             # [kv, e, k] token ids
+    weight = torch.isfinite(top_scores).to(torch.float32)                     # [kv, e, k]
+    picked = keys.float()[torch.arange(kv, device=keys.device)[:, None, None], chosen]  # [kv, e, k, d]
+    mean = (picked * weight[..., None]).sum(2) / weight.sum(2).clamp_min(1)[..., None]  # [kv, e, d]
+    return mean.transpose(0, 1).reshape(e, kv * d)
+
+
+class EpisodicMemory:
+    """Everything one conversation has read. Created by EMEngine.new_memory(); not shared between threads."""
+
+    def __init__(self, config: EMConfig, shape: ModelShape, layer_devices: list[torch.device],
+                 ropes: dict[torch.device, RotaryTable], store_device: torch.device):
+        self.config, self.shape = config, shape
+        self.layers = [LayerMemory(i, config, shape, device, ropes[device]) for i, device in enumerate(layer_devices)]
+        self.store = PageStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
+                               page_tokens=config.page_tokens, device=store_device,
+                               device_budget_mb=config.device_budget_mb, ram_budget_mb=config.ram_budget_mb,
+                               offload_dir=config.offload_dir)
+        self.token_ids: list[int] = []
+        self.surprise = torch.empty(0, dtype=torch.float32)     # [total] (NaN for the first token)
+        self.boundary_flags = torch.empty(0, dtype=torch.bool)  # [total] surprise above threshold
+        self.sinks_split = False
+        self.local_start = 0
+        self.event_starts = torch.empty(0, dtype=torch.long)    # [events] store-relative token positions
+        self.event_sizes = torch.empty(0, dtype=torch.long)     # [events]
+        self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
+        self.retrieve_now = True                                # set by the engine before each forward
+        self.closed = False
+
+    # ------------------------------------------------------------------ bookkeeping
+    @property
+    def total_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_events(self) -> int:
+        return int(self.event_starts.shape[0])
+
+    @property
+    def has_memory_part(self) -> bool:
+        """Sinks and events sit at a fixed position only once something has been evicted."""
+        return self.sinks_split
+
+    def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """Record tokens just read and their surprise. input_ids [q]; logits [q, vocab] from the same forward."""
+        ids = input_ids.to("cpu")
+        predicted = torch.full((ids.shape[0],), float("nan"))
+        if self.last_logits is not None:
+            predicted[0] = segmentation.token_surprise(self.last_logits[None], ids[:1].to(logits.device))[0].cpu()
+        if ids.shape[0] > 1:
+            predicted[1:] = segmentation.token_surprise(logits[:-1], ids[1:].to(logits.device)).cpu()
+        flags = segmentation.surprise_boundary_flags(self.surprise[-self.config.surprise_window:], predicted,
+                                                     self.config.gamma, self.config.surprise_window)
+        self.surprise = torch.cat([self.surprise, predicted])
+        self.boundary_flags = torch.cat([self.boundary_flags, flags.cpu()])
+        self.token_ids.extend(ids.tolist())
+        self.last_logits = logits[-1].detach()
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self) -> int:
+        """Move complete events from the oldest part of the window to storage; returns tokens evicted."""
+        config = self.config
+        if config.attention == "full":
+            return 0
+        window = self.layers[0].length
+        sinks = 0 if self.sinks_split else min(config.n_init, window)
+        overflow = window - sinks - config.n_local
+        if overflow < config.max_block_size:
+            return 0
+        if not self.sinks_split:
+            for layer in self.layers:
+                layer.set_sinks(sinks)
+            self.local_start = sinks
+            self.sinks_split = True
+            window -= sinks
+        region = min(window, overflow + config.max_block_size)
+        boundaries = self.segment(region)
+        complete = boundaries[boundaries <= overflow]
+        end = int(complete[-1]) if complete.numel() else overflow  # no boundary at all: cut at the overflow
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), complete[complete < end]])
+        sizes = torch.diff(torch.cat([starts, torch.tensor([end])]))
+        kv = torch.stack([layer.add_events(starts, sizes, config.repr_topk).to(self.store.tiers[0].device)
+                          for layer in self.layers])  # [layers, 2, end, kv, d]
+        self.store.append(kv)
+        self.event_starts = torch.cat([self.event_starts, starts + (self.local_start - config.n_init)])
+        self.event_sizes = torch.cat([self.event_sizes, sizes])
+        for layer in self.layers:
+            layer.drop_oldest(end)
+        self.local_start += end
+        return end
+
+    def segment(self, region: int) -> torch.Tensor:
+        """Event starts (window-relative, in (0, region)) for the first `region` window tokens."""
+        config = self.config
+        if config.segmentation == "fixed":
+            boundaries = segmentation.fixed_boundaries(region, config.max_block_size)
+        else:
+            flags = self.boundary_flags[self.local_start + 1:self.local_start + region]
+            boundaries = torch.nonzero(flags).flatten() + 1
+        if config.refinement != "none" and boundaries.numel():
+            layers = config.refine_layers or range(self.shape.num_layers * 2 // 3, self.shape.num_layers)
+            keys = torch.stack([self.layers[i].keys[:, :region].to(self.layers[layers[0]].device)
+                                for i in layers])  # [refine_layers, kv, region, d]
+            adjacency = segmentation.key_similarity(keys)
+            boundaries = segmentation.refine_boundaries(adjacency, boundaries.to(adjacency.device),
+                                                        config.refinement).cpu()
+        return segmentation.enforce_event_sizes(boundaries.cpu(), region, config.min_block_size,
+                                                config.max_block_size, last_is_open=True)
+
+    # ------------------------------------------------------------------ inspection
+    def stats(self) -> dict:
+        sizes = self.event_sizes.float()
+        tiers = self.store.tier_tokens()
+        return {
+            "tokens_read": self.total_tokens,
+            "events": self.num_events,
+            "mean_event_size": float(sizes.mean()) if sizes.numel() else math.nan,
+            "tokens_local": self.layers[0].length,
+            "tokens_sinks": int(self.layers[0].sink_keys.shape[1]),
+            "tokens_evicted": int(self.store.num_tokens),
+            "tokens_per_tier": tiers,
+            "kv_bytes_resident": self.store.resident_bytes(),
+            "retrievals_per_layer": [layer.retrievals for layer in self.layers],
+        }
+
+    def event_boundaries(self) -> torch.Tensor:
+        """Absolute start positions of all events formed so far (sinks start at 0 and are not an event)."""
+        return self.event_starts + self.config.n_init
+
+    def close(self) -> None:
+        self.store.close()
+        self.layers = []
+        self.closed = True

