@@ -83,7 +83,16 @@ def _accumulate_scores(layer, q_local: torch.Tensor, keys: torch.Tensor, lse: to
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
             causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts."""
+    """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts.
+
+    causal=True is only for a square block (the chunk attending to itself): the fused kernel aligns a
+    rectangular causal mask top-left, the opposite of a window's last rows.
+    """
+    if causal and query.shape[-2] != key.shape[-2]:
+        raise ValueError(f"causal attention needs a square block, got {query.shape[-2]} queries and "
+                         f"{key.shape[-2]} keys")
+    if key.shape[-2] == 0:  # nothing to attend to (no sinks, nothing retrieved): a part that weighs nothing
+        return torch.zeros_like(query), torch.full(query.shape[:-1], float("-inf"), device=query.device)
     if query.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, scale=scaling)

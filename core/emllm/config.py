@@ -92,7 +92,7 @@ class EMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
-        if not isinstance(self.n_init, int) or self.n_init < 0:
+        if not isinstance(self.n_init, int) or isinstance(self.n_init, bool) or self.n_init < 0:
             raise ConfigError(f"n_init must be an integer >= 0, got {self.n_init!r}.")
         _check_choice("segmentation", self.segmentation, ("surprise", "fixed"))
         _check_choice("refinement", self.refinement, ("none", "modularity", "conductance"))
@@ -102,20 +102,23 @@ class EMConfig:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "
                 "no event size satisfies both; lower min_block_size or raise max_block_size.")
-        if self.max_block_size > self.n_mem:
-            raise ConfigError(
-                f"max_block_size ({self.max_block_size}) exceeds n_mem ({self.n_mem}): an event could never be "
-                "retrieved whole; raise n_mem or lower max_block_size.")
-        if not 0.0 <= float(self.contiguity) < 1.0:
+        if not isinstance(self.contiguity, (int, float)) or isinstance(self.contiguity, bool) \
+                or not 0.0 <= self.contiguity < 1.0:
             raise ConfigError(f"contiguity is a fraction of n_mem in [0, 1), got {self.contiguity!r}.")
+        if self.max_block_size > self.similarity_tokens:
+            raise ConfigError(
+                f"max_block_size ({self.max_block_size}) exceeds the similarity buffer ({self.similarity_tokens} "
+                f"tokens: n_mem ({self.n_mem}) minus the contiguity share): a full-size event could never be "
+                "retrieved; raise n_mem, lower contiguity or lower max_block_size.")
         if self.gamma != self.gamma:  # NaN
             raise ConfigError("gamma must be a number, got NaN.")
         if self.refine_layers is not None and any((not isinstance(i, int)) or i < 0 for i in self.refine_layers):
             raise ConfigError(f"refine_layers must be non-negative layer indices, got {self.refine_layers!r}.")
         for name in ("ram_budget_mb", "device_budget_mb"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"{name} must be >= 0 MB or None (no limit), got {value!r}.")
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not value >= 0):
+                raise ConfigError(f"{name} must be a number >= 0 (MB) or None (no limit), got {value!r}.")
         if self.max_input_tokens is not None and self.max_input_tokens < 1:
             raise ConfigError(f"max_input_tokens must be >= 1 or None, got {self.max_input_tokens!r}.")
 
@@ -140,7 +143,7 @@ class EMConfig:
     # ------------------------------------------------------------------ derived values
     @property
     def contiguity_tokens(self) -> int:
-        return int(self.n_mem * self.contiguity)
+        return int(round(self.n_mem * self.contiguity))
 
     @property
     def similarity_tokens(self) -> int:

@@ -353,14 +353,14 @@ def _check_text(text: Any) -> None:
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}.")
-    if not 0 < top_p <= 1:
+    if not isinstance(temperature, (int, float)) or not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}.")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}.")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}.")
 
 
 def _find_stop(text: str, stop: list[str], emitted: int) -> int | None:

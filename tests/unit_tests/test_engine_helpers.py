@@ -1,0 +1,272 @@
+"""Unit tests for the model-free helpers of emllm.engine: sampling, chat message normalisation,
+stop strings while streaming, and the checks of sampling arguments."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from emllm.engine import _check_sampling, _find_stop, _safe_length, normalize_messages, sample_token
+
+
+def seeded(seed):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def random_logits(n=50, seed=0):
+    return torch.randn(n, generator=seeded(seed)) * 2
+
+
+# ----------------------------------------------------------------------------- sample_token
+def test_temperature_zero_is_argmax():
+    for seed in range(5):
+        logits = random_logits(seed=seed)
+        assert sample_token(logits, 0.0, 0.5, 3, seeded(seed)) == int(logits.argmax())
+        assert sample_token(logits.bfloat16(), 0.0, 1.0, 0, None) == int(logits.bfloat16().argmax())
+
+
+def test_top_k_one_is_argmax_even_when_hot():
+    logits = random_logits()
+    best = int(logits.argmax())
+    generator = seeded(1)
+    assert {sample_token(logits, 50.0, 1.0, 1, generator) for _ in range(200)} == {best}
+
+
+def test_tiny_top_p_is_argmax():
+    logits = random_logits(seed=2)
+    best = int(logits.argmax())
+    generator = seeded(2)
+    assert {sample_token(logits, 5.0, 1e-6, 0, generator) for _ in range(200)} == {best}
+
+
+def test_seeded_generator_is_reproducible():
+    logits = random_logits(seed=3)
+    draw = lambda seed: [sample_token(logits, 3.0, 0.95, 0, g) for g in [seeded(seed)] for _ in range(30)]  # noqa: E731
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)  # 30 draws over ~50 plausible ids: equal sequences would mean the seed is ignored
+
+
+def test_high_temperature_without_limits_samples_broadly():
+    logits = random_logits(n=20, seed=4)
+    generator = seeded(4)
+    seen = {sample_token(logits, 100.0, 1.0, 0, generator) for _ in range(600)}
+    assert len(seen) >= 18  # near-uniform: almost every id shows up
+
+
+def test_top_k_restricts_the_support():
+    logits = random_logits(n=40, seed=5)
+    allowed = set(torch.topk(logits, 5).indices.tolist())
+    generator = seeded(5)
+    counts = Counter(sample_token(logits, 20.0, 1.0, 5, generator) for _ in range(1500))
+    assert set(counts) == allowed  # only the top 5, and (hot) all of them
+
+
+def test_top_k_larger_than_vocab_is_no_limit():
+    logits = torch.zeros(4)
+    generator = seeded(6)
+    assert {sample_token(logits, 1.0, 1.0, 10, generator) for _ in range(300)} == {0, 1, 2, 3}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p_and_renormalises():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # best first: id 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+    logits = probs.log()
+    generator = seeded(9)
+
+    def frequencies(top_p, n=3000):
+        counts = Counter(sample_token(logits, 1.0, top_p, 0, generator) for _ in range(n))
+        return {i: c / n for i, c in counts.items()}
+
+    assert set(frequencies(0.4, 300)) == {1}
+    assert set(frequencies(0.6, 300)) == {1, 3}
+    freq = frequencies(0.9)
+    assert set(freq) == {1, 3, 2}
+    kept = 0.5 + 0.3 + 0.15
+    for i in (1, 3, 2):
+        assert freq[i] == pytest.approx(float(probs[i]) / kept, abs=0.04)
+
+
+def test_sampling_follows_the_softmax():
+    logits = torch.tensor([0.0, math.log(3.0)])  # p = 1/4, 3/4 at temperature 1
+    generator = seeded(10)
+    n = 4000
+    ones = sum(sample_token(logits, 1.0, 1.0, 0, generator) for _ in range(n))
+    assert ones / n == pytest.approx(0.75, abs=0.03)
+    ones_hot = sum(sample_token(logits, 1000.0, 1.0, 0, generator) for _ in range(n))
+    assert ones_hot / n == pytest.approx(0.5, abs=0.03)  # temperature flattens
+
+
+# ----------------------------------------------------------------------------- normalize_messages
+def test_consecutive_same_role_messages_are_merged():
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Part one."},
+                {"role": "user", "content": "Part two."},
+                {"role": "assistant", "content": "OK."},
+                {"role": "user", "content": "Again?"},
+                {"role": "user", "content": ""},
+                {"role": "user", "content": "Yes."}]
+    original = [dict(m) for m in messages]
+    assert normalize_messages(messages) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Part one.\n\nPart two."},
+        {"role": "assistant", "content": "OK."},
+        {"role": "user", "content": "Again?\n\n\n\nYes."},
+    ]
+    assert messages == original  # the caller's dicts are not modified
+
+
+def test_extra_keys_are_dropped():
+    assert normalize_messages([{"role": "user", "content": "hi", "name": "bob"}]) == [
+        {"role": "user", "content": "hi"}]
+
+
+def test_empty_conversation_is_refused():
+    with pytest.raises(ValueError, match="empty"):
+        normalize_messages([])
+
+
+@pytest.mark.parametrize("message", ["hello", ("user", "hello"), None, {"role": "user"}, {"content": "hi"}])
+def test_malformed_messages_are_refused(message):
+    with pytest.raises(TypeError, match="'role' and 'content'"):
+        normalize_messages([{"role": "user", "content": "ok"}, message])
+
+
+@pytest.mark.parametrize("content", [None, 3, ["text"], {"type": "text"}, b"bytes"])
+def test_non_text_content_is_refused(content):
+    with pytest.raises(TypeError) as info:
+        normalize_messages([{"role": "assistant", "content": content}])
+    message = str(info.value)
+    assert type(content).__name__ in message and "'assistant'" in message
+
+
+@pytest.mark.parametrize("role", ["tool", "User", "", "bot"])
+def test_unknown_roles_are_refused(role):
+    with pytest.raises(ValueError) as info:
+        normalize_messages([{"role": role, "content": "hi"}])
+    message = str(info.value)
+    assert repr(role) in message and "'user'" in message and "'assistant'" in message
+
+
+def test_all_whitespace_is_refused_but_one_real_message_is_enough():
+    with pytest.raises(ValueError, match="whitespace"):
+        normalize_messages([{"role": "system", "content": "  "}, {"role": "user", "content": "\n\t"}])
+    assert len(normalize_messages([{"role": "system", "content": "  "}, {"role": "user", "content": "q"}])) == 2
+
+
+# ----------------------------------------------------------------------------- stop strings
+def test_find_stop_hand_cases():
+    assert _find_stop("hello STOP there", ["STOP"], 0) == 6
+    assert _find_stop("hello STOP there", ["STOP", "ello"], 0) == 1  # the earliest of several
+    assert _find_stop("hello there", ["STOP"], 0) is None
+    assert _find_stop("abcSTOP", ["STOP"], 3) == 3      # found right after what was emitted
+    assert _find_stop("abcSTOP", ["STOP"], 5) == 3      # spans the emitted border (emitted held nothing of it)
+    assert _find_stop("STOPxSTOP", ["STOP"], 6) == 5    # an old occurrence inside emitted text is ignored
+    assert _find_stop("anything", [], 0) is None
+
+
+def test_safe_length_holds_back_a_partial_stop():
+    assert _safe_length("hello ST", ["STOP"]) == 6
+    assert _safe_length("hello S", ["STOP"]) == 6
+    assert _safe_length("hello", ["STOP"]) == 5
+    assert _safe_length("hello STO", ["STOP"]) == 6
+    assert _safe_length("STO", ["STOP"]) == 0
+    assert _safe_length("hello", []) == 5
+
+
+def test_safe_length_holds_back_a_trailing_replacement_character():
+    assert _safe_length("abc\ufffd", []) == 3
+    assert _safe_length("abc\ufffd\ufffd", []) == 3
+    assert _safe_length("\ufffd", []) == 0
+    assert _safe_length("a\ufffdb", []) == 3  # a replacement character inside the text is final
+    assert _safe_length("abST\ufffd", ["STOP"]) == 2  # both at once
+
+
+@pytest.mark.parametrize("stops", [["ABC", "BX"], ["BX", "ABC"]])
+def test_safe_length_holds_back_the_longest_partial_match(stops):
+    assert _safe_length("xxAB", stops) == 2
+
+
+@pytest.mark.parametrize("stops", [["ABCD", "CDE"], ["CDE", "ABCD"], ["ABCD", "CX", "BCY"]])
+def test_safe_length_longest_of_overlapping_prefixes(stops):
+    assert _safe_length("zzABC", stops) == 2
+
+
+def stream_with_stops(pieces, stops):
+    """The engine's emission rule, token by token: find a stop, else emit what is safe; flush at the end."""
+    text, emitted, deltas = "", "", []
+    for piece in pieces:
+        text += piece
+        cut = _find_stop(text, stops, len(emitted))
+        if cut is not None:
+            if cut > len(emitted):
+                deltas.append(text[len(emitted):cut])
+            return deltas, text[:cut], True
+        safe = _safe_length(text, stops)
+        assert safe >= len(emitted), "emitted text can never be taken back"
+        if safe > len(emitted):
+            deltas.append(text[len(emitted):safe])
+            emitted = text[:safe]
+    deltas.append(text[len(emitted):])
+    return deltas, text, False
+
+
+def test_stop_string_split_across_tokens_is_never_emitted():
+    deltas, final, stopped = stream_with_stops(["Hel", "lo <", "|en", "d|>", " more"], ["<|end|>"])
+    assert stopped and final == "Hello "
+    assert "".join(deltas) == "Hello "
+    assert all("<" not in d for d in deltas)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet="abc", max_size=30),
+       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+       cuts=st.lists(st.integers(0, 30), max_size=10))
+def test_streaming_emits_exactly_the_text_before_the_first_stop(text, stops, cuts):
+    edges = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in zip(edges, edges[1:])]
+    hits = [i for s in stops if (i := text.find(s)) != -1]
+    # the earliest stop that is complete when it appears (the stream stops at the first token completing one)
+    ends = [(text.find(s) + len(s), s) for s in stops if s in text]
+    deltas, final, stopped = stream_with_stops(pieces, stops)
+    assert stopped == bool(hits)
+    if not stopped:
+        assert final == text
+    else:
+        first_end = min(end for end, _ in ends)
+        # stopping happens at the first piece boundary at or after the earliest completed stop
+        seen = text[:min(e for e in edges if e >= first_end)]
+        cut = min(i for s in stops if (i := seen.find(s)) != -1)
+        assert final == text[:cut]
+        assert all(s not in final for s in stops)
+    assert "".join(deltas) == final
+
+
+# ----------------------------------------------------------------------------- _check_sampling
+def test_valid_sampling_arguments():
+    _check_sampling(1, 0.0, 1.0, 0)
+    _check_sampling(512, 0.7, 0.9, 40)
+    _check_sampling(3, 2.0, 1e-9, 1)
+
+
+@pytest.mark.parametrize("args, field", [
+    ((0, 0.0, 1.0, 0), "max_new_tokens"),
+    ((-4, 0.0, 1.0, 0), "max_new_tokens"),
+    ((2.5, 0.0, 1.0, 0), "max_new_tokens"),
+    (("8", 0.0, 1.0, 0), "max_new_tokens"),
+    ((8, -0.1, 1.0, 0), "temperature"),
+    ((8, 0.7, 0.0, 0), "top_p"),
+    ((8, 0.7, 1.01, 0), "top_p"),
+    ((8, 0.7, -0.5, 0), "top_p"),
+    ((8, 0.7, math.nan, 0), "top_p"),
+    ((8, 0.7, 0.9, -1), "top_k"),
+])
+def test_invalid_sampling_arguments_name_the_field(args, field):
+    with pytest.raises(ValueError, match=field):
+        _check_sampling(*args)
+
+
+@pytest.mark.parametrize("args, field", [((8, math.nan, 1.0, 0), "temperature"), ((8, 0.7, 1.0, 2.5), "top_k")])
+def test_nan_temperature_and_float_top_k_are_refused(args, field):
+    with pytest.raises(ValueError, match=field):
+        _check_sampling(*args)
