@@ -195,9 +195,13 @@ class EMEngine:
 
     def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool) -> torch.Tensor:
         memory.retrieve_now = retrieve
+        # Surprise needs every position's log-probabilities; without it only the last position's logits are
+        # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
+        keep = 0 if memory.track_surprise else 1
         with torch.inference_mode():
-            out = self.model(input_ids=ids[None].to(self.input_device), emllm_memory=memory, use_cache=False)
-            logits = out.logits[0]  # [q, vocab]
+            out = self.model(input_ids=ids[None].to(self.input_device), emllm_memory=memory, use_cache=False,
+                             logits_to_keep=keep)
+            logits = out.logits[0]  # [q or 1, vocab]
             memory.observe(ids, logits)
             memory.evict()
         return logits
@@ -280,6 +284,7 @@ class EMEngine:
     def inspect(self, text: str, *, progress: bool = False) -> Inspection:
         """Surprise per token and event boundaries for a text (read into a throwaway memory)."""
         memory = self.new_memory()
+        memory.track_surprise = True
         try:
             self.read(memory, text, progress=progress)
             window = memory.layers[0].length

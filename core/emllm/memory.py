@@ -190,6 +190,9 @@ class EpisodicMemory:
         self.event_sizes = torch.empty(0, dtype=torch.long)     # [events]
         self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
         self.retrieve_now = True                                # set by the engine before each forward
+        # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
+        # tokens whose predicting logits are at hand (the first of each forward) get one.
+        self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
         self.closed = False
 
     # ------------------------------------------------------------------ bookkeeping
@@ -207,12 +210,16 @@ class EpisodicMemory:
         return self.sinks_split
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
-        """Record tokens just read and their surprise. input_ids [q]; logits [q, vocab] from the same forward."""
+        """Record tokens just read and their surprise.
+
+        input_ids [q]; logits [q, vocab] from the same forward, or [1, vocab] (the last position only) when
+        surprise is not tracked, in which case tokens other than the first have NaN surprise.
+        """
         ids = input_ids.to("cpu")
         predicted = torch.full((ids.shape[0],), float("nan"))
         if self.last_logits is not None:
             predicted[0] = segmentation.token_surprise(self.last_logits[None], ids[:1].to(logits.device))[0].cpu()
-        if ids.shape[0] > 1:
+        if ids.shape[0] > 1 and logits.shape[0] == ids.shape[0]:
             predicted[1:] = segmentation.token_surprise(logits[:-1], ids[1:].to(logits.device)).cpu()
         flags = segmentation.surprise_boundary_flags(self.surprise[-self.config.surprise_window:], predicted,
                                                      self.config.gamma, self.config.surprise_window)

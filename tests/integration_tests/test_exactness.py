@@ -8,7 +8,14 @@ import torch
 from emllm import EMConfig, EMEngine
 from emllm.models import is_embedded_available, load_model
 
-from .conftest import make_engine
+from .conftest import make_engine as _make_engine
+
+# Exactness does not need long inputs, and fp32 (needed for a tight tolerance) is slow on CPU: a tiny layout.
+TINY = dict(n_init=32, n_local=224, n_mem=256, chunk_size=64, max_block_size=32)
+
+
+def make_engine(pair, preset, **overrides):
+    return _make_engine(pair, preset, **{**TINY, **overrides})
 
 TEXT = ("Episodic memory lets a language model read far more than its context window. "
         "Events are cut where the model is surprised, then recalled by similarity. ") * 12
@@ -25,6 +32,7 @@ def test_prefill_logits_equal_vanilla(smol_fp32, smol_vanilla, preset):
     engine = make_engine(smol_fp32, preset)
     ids = engine.tokenize(TEXT)[: engine.config.n_init + engine.config.n_local]
     memory = engine.new_memory()
+    memory.track_surprise = True  # every position's logits (F and full otherwise compute only the last)
     chunk = engine.config.chunk_size
     logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + chunk]), retrieve=True)
                         for i in range(0, len(ids), chunk)])
@@ -35,25 +43,25 @@ def test_prefill_logits_equal_vanilla(smol_fp32, smol_vanilla, preset):
 def test_decode_logits_equal_vanilla(smol_fp32, smol_vanilla):
     """Token-by-token reading (the decode path) also matches, position by position."""
     engine = make_engine(smol_fp32, "SM")
-    ids = engine.tokenize(TEXT)[:120]
+    ids = engine.tokenize(TEXT)[:100]
     memory = engine.new_memory()
-    engine.read(memory, ids[:100])
-    steps = [engine._forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[100:]]
-    torch.testing.assert_close(torch.stack(steps), _vanilla_logits(smol_vanilla, ids)[100:], rtol=0, atol=2e-4)
+    engine.read(memory, ids[:80])
+    steps = [engine._forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[80:]]
+    torch.testing.assert_close(torch.stack(steps), _vanilla_logits(smol_vanilla, ids)[80:], rtol=0, atol=2e-4)
 
 
 def test_memory_changes_logits_once_tokens_are_evicted(smol_fp32, smol_vanilla):
     """The converse: past n_init + n_local the engine is no longer the vanilla model (memory is in play)."""
     engine = make_engine(smol_fp32, "S")
-    ids = engine.tokenize(TEXT * 3)[:1200]
+    ids = engine.tokenize(TEXT * 3)[:640]
     memory = engine.new_memory()
-    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 256]), retrieve=True)
-                        for i in range(0, len(ids), 256)])
+    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True)
+                        for i in range(0, len(ids), 64)])
     assert memory.num_events > 0
     fits = engine.config.n_init + engine.config.n_local
     reference = _vanilla_logits(smol_vanilla, ids)
     torch.testing.assert_close(logits[:fits], reference[:fits], rtol=0, atol=2e-4)
-    assert (logits[-256:] - reference[-256:]).abs().max() > 1e-2
+    assert (logits[-64:] - reference[-64:]).abs().max() > 1e-2
 
 
 QWEN = "qwen2.5-coder-0.5b-instruct"

@@ -9,7 +9,7 @@ import torch
 
 from emllm.tasks import passkey_document
 
-from .conftest import make_engine
+from emllm import EMConfig, EMEngine
 
 TOKENS = 6000
 
@@ -20,13 +20,23 @@ def doc(smol_bf16):
     return passkey_document(TOKENS, 0.4, lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"]), seed=7)
 
 
+def _engine(pair, **overrides):
+    """The default layout (SmolLM2's): 6K tokens overflow its 2K window into ~30 pages of 128 tokens."""
+    return EMEngine(*pair, EMConfig.from_preset("SM", page_tokens=128, **overrides))
+
+
 @pytest.fixture(scope="module")
-def in_ram_answer(smol_bf16, doc):
-    engine = make_engine(smol_bf16, "SM", page_tokens=256)
+def in_ram(smol_bf16, doc):
+    engine = _engine(smol_bf16)
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
+    yield engine, memory, result
     memory.close()
-    return result
+
+
+@pytest.fixture(scope="module")
+def in_ram_answer(in_ram):
+    return in_ram[2]
 
 
 def test_episodic_memory_finds_the_key(in_ram_answer, doc):
@@ -34,7 +44,7 @@ def test_episodic_memory_finds_the_key(in_ram_answer, doc):
 
 
 def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_bf16, doc, in_ram_answer, tmp_path):
-    engine = make_engine(smol_bf16, "SM", page_tokens=256, ram_budget_mb=1, offload_dir=str(tmp_path))
+    engine = _engine(smol_bf16, ram_budget_mb=6, offload_dir=str(tmp_path))  # ~2 of ~30 pages fit in RAM
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
     tiers = memory.stats()["tokens_per_tier"]
@@ -48,7 +58,7 @@ def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_bf16, doc, in_ram
 
 
 def test_faiss_and_torch_retrieval_give_the_same_answer(smol_bf16, doc, in_ram_answer):
-    engine = make_engine(smol_bf16, "SM", page_tokens=256, retrieval_backend="faiss")
+    engine = _engine(smol_bf16, retrieval_backend="faiss")
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
     assert memory.layers[0].index.uses_faiss()
@@ -56,11 +66,9 @@ def test_faiss_and_torch_retrieval_give_the_same_answer(smol_bf16, doc, in_ram_a
     memory.close()
 
 
-def test_the_needle_event_is_retrieved(smol_bf16, doc):
+def test_the_needle_event_is_retrieved(in_ram, doc):
     """The event holding the pass key is among those most layers retrieve for the question."""
-    engine = make_engine(smol_bf16, "SM")
-    memory = engine.new_memory()
-    engine.generate(doc.prompt, memory=memory, max_new_tokens=1)
+    engine, memory, _ = in_ram
     ids = memory.token_ids
     key = engine.tokenize(" " + doc.answer)
     at = next(i for i in range(len(ids)) if ids[i:i + len(key)] == key)
@@ -69,13 +77,10 @@ def test_the_needle_event_is_retrieved(smol_bf16, doc):
     assert event >= 0 and memory.local_start > at  # the key was evicted into an event
     layers = sum(event in layer.retrieved_ids for layer in memory.layers)
     assert layers >= len(memory.layers) // 2
-    memory.close()
 
 
-def test_stats_describe_the_memory(smol_bf16, doc):
-    engine = make_engine(smol_bf16, "S")
-    memory = engine.new_memory()
-    engine.read(memory, doc.prompt)
+def test_stats_describe_the_memory(in_ram):
+    engine, memory, _ = in_ram
     stats = memory.stats()
     assert stats["tokens_read"] == memory.total_tokens
     assert stats["tokens_sinks"] + stats["tokens_evicted"] + stats["tokens_local"] == stats["tokens_read"]
@@ -83,12 +88,10 @@ def test_stats_describe_the_memory(smol_bf16, doc):
     assert engine.config.min_block_size <= stats["mean_event_size"] <= engine.config.max_block_size
     assert sum(stats["tokens_per_tier"].values()) == stats["tokens_evicted"]
     assert all(n > 0 for n in stats["retrievals_per_layer"])
-    memory.close()
 
 
 def test_device_map_auto_loads_and_runs():
     """accelerate's device_map places each layer; each layer's memory lives on its layer's device."""
-    from emllm import EMConfig, EMEngine
     from emllm.models import load_model
 
     pair = load_model(dtype="bfloat16", device_map="auto")

@@ -299,12 +299,22 @@ def test_key_similarity():
     keys = torch.randn(2, 3, 10, 8, generator=g).to(torch.bfloat16)  # [layers, kv_heads, n, head_dim]
     out = seg.key_similarity(keys)
     k = keys.float()
+    k = k - k.mean(dim=2, keepdim=True)  # centred per layer and head over the tokens
     ref = torch.einsum("lhid,lhjd->ij", k, k) / 6
     assert out.dtype == torch.float32 and out.shape == (10, 10)
     torch.testing.assert_close(out, ref.clamp_min(0), rtol=1e-5, atol=1e-5)
     assert (out >= 0).all() and (ref < 0).any()  # some similarities were negative and got clamped
     torch.testing.assert_close(out, out.T)
-    torch.testing.assert_close(seg.key_similarity(k[0, 0]), (k[0, 0] @ k[0, 0].T).clamp_min(0))
+    single = k[0, 0]
+    torch.testing.assert_close(seg.key_similarity(keys[0, 0]), (single @ single.T).clamp_min(0), rtol=1e-5, atol=1e-5)
+
+
+def test_key_similarity_ignores_a_shared_component():
+    """A large direction common to all keys (as real keys have) must not swamp the graph."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 1, 12, 16, generator=g)
+    shifted = keys + 50.0 * torch.ones(16)
+    torch.testing.assert_close(seg.key_similarity(shifted), seg.key_similarity(keys), rtol=1e-4, atol=1e-3)
 
 
 def _loop_modularity(a: list[list[float]], labels: list[int]) -> float:
