@@ -50,10 +50,14 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     keys, values = layer.window_keys()[None], layer.window_values()[None]                # [1, kv, window, d]
     # One softmax over all parts, computed as fused pieces merged by their log-sum-exp:
     #   the chunk itself (causal), the older window (fully visible), the memory part (fully visible).
-    parts = [_attend(q_local, _expand(keys[:, :, window - q:], groups), _expand(values[:, :, window - q:], groups),
-                     scaling, causal=q > 1)]
-    if window > q:
-        parts.append(_grouped(_attend(_group(q_local, kv_heads), keys[:, :, :window - q], values[:, :, :window - q],
+    # A single query (decoding) sees the whole window including itself: one unmasked part.
+    visible = window - q if q > 1 else window  # keys every query may see
+    parts = []
+    if q > 1:
+        parts.append(_attend(q_local, _expand(keys[:, :, visible:], groups), _expand(values[:, :, visible:], groups),
+                             scaling, causal=True))
+    if visible:
+        parts.append(_grouped(_attend(_group(q_local, kv_heads), keys[:, :, :visible], values[:, :, :visible],
                                       scaling, causal=False), heads, q))
     if memory.has_memory_part:
         q_memory = _group(rope.rotate_at(query, memory.config.n_local), kv_heads)      # [1, kv, g*q, d]

@@ -12,7 +12,6 @@ the memory stopped (continuation), anything else is refused rather than silently
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -99,7 +98,6 @@ class EMEngine:
         self.store_device = self.layer_devices[0]
         self.eos_ids = _end_of_turn_ids(model, tokenizer)
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
-        self._lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, preset: str = "SM", config: EMConfig | None = None,
@@ -240,7 +238,11 @@ class EMEngine:
                     f"(they first differ at token {_first_difference(memory.token_ids, ids)}). Use a new memory "
                     "for a different conversation.")
             started = time.perf_counter()
-            self.read(memory, ids[seen:], progress=progress)
+            # The prompt's last token predicts the first answer token: it is read on its own so that it
+            # retrieves events with its own query, not with the mean query of a chunk of mostly context.
+            self.read(memory, ids[seen:-1], progress=progress)
+            if len(ids) > seen:
+                self.read(memory, ids[-1:])
             prefill = time.perf_counter() - started
             generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
             generated: list[int] = []

@@ -222,15 +222,21 @@ def loop_reference(event_ids, starts, sizes):
     return out
 
 
-@st.composite
-def events_and_selection(draw):
-    sizes = draw(st.lists(st.integers(1, 7), min_size=1, max_size=15))
-    gaps = draw(st.lists(st.integers(0, 5), min_size=len(sizes), max_size=len(sizes)))
+def _spaced_starts(draw, sizes: list[int], max_gap: int) -> tuple[list[int], int]:
+    """Event starts laid out in order with random gaps; returns (starts, end of the last event)."""
+    gaps = draw(st.lists(st.integers(0, max_gap), min_size=len(sizes), max_size=len(sizes)))
     starts, position = [], 0
     for size, gap in zip(sizes, gaps):
         position += gap
         starts.append(position)
         position += size
+    return starts, position
+
+
+@st.composite
+def events_and_selection(draw):
+    sizes = draw(st.lists(st.integers(1, 7), min_size=1, max_size=15))
+    starts, position = _spaced_starts(draw, sizes, max_gap=5)
     selection = draw(st.lists(st.integers(0, len(sizes) - 1), max_size=len(sizes), unique=True))
     if draw(st.booleans()):
         selection.sort()
@@ -277,12 +283,7 @@ def representatives_loop(keys, scores, starts, sizes, topk):
 def representative_cases(draw):
     kv, d = draw(st.integers(1, 3)), draw(st.integers(1, 5))
     sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=8))
-    gaps = draw(st.lists(st.integers(0, 3), min_size=len(sizes), max_size=len(sizes)))
-    starts, position = [], 0
-    for size, gap in zip(sizes, gaps):
-        position += gap
-        starts.append(position)
-        position += size
+    starts, position = _spaced_starts(draw, sizes, max_gap=3)
     n = position + draw(st.integers(0, 3))
     return kv, d, n, starts, sizes, draw(st.integers(1, 6)), draw(st.integers(0, 2**31 - 1))
 
