@@ -142,10 +142,18 @@ class EMEngine:
 
     def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the model's chat template (consecutive same-role turns merged)."""
-        messages = normalize_messages(messages)
+        messages = normalize_messages(messages, merge=False)
         if getattr(self.tokenizer, "chat_template", None) is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
             return self.tokenize(text)
+        # Render the turns as given (so a longer conversation extends a shorter one token for token); only a
+        # template that rejects them (consecutive same-role turns, a system turn) gets them merged.
+        try:
+            return self._apply_template(messages, add_generation_prompt)
+        except Exception:  # jinja2 raises TemplateError subclasses via the template's raise_exception
+            return self._apply_template(normalize_messages(fold_system(messages)), add_generation_prompt)
+
+    def _apply_template(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
         encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=True)
         return list(encoded["input_ids"])
@@ -317,8 +325,25 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
 
 
-def normalize_messages(messages: Sequence[Message]) -> list[Message]:
-    """Messages as {'role', 'content'} with consecutive same-role turns merged (some templates reject them)."""
+def fold_system(messages: list[Message]) -> list[Message]:
+    """System turns become part of the next user turn, for templates without a system role."""
+    folded: list[Message] = []
+    pending: list[str] = []
+    for message in messages:
+        if message["role"] == "system":
+            pending.append(message["content"])
+        elif message["role"] == "user" and pending:
+            folded.append({"role": "user", "content": "\n\n".join(pending + [message["content"]])})
+            pending = []
+        else:
+            folded.append(message)
+    if pending:
+        folded.append({"role": "user", "content": "\n\n".join(pending)})
+    return folded
+
+
+def normalize_messages(messages: Sequence[Message], merge: bool = True) -> list[Message]:
+    """Validated {'role', 'content'} messages; with merge, consecutive same-role turns become one."""
     merged: list[Message] = []
     for message in messages:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
@@ -328,7 +353,7 @@ def normalize_messages(messages: Sequence[Message]) -> list[Message]:
             raise TypeError(f"Message content must be text, got {type(content).__name__} for role {role!r}.")
         if role not in ("system", "user", "assistant"):
             raise ValueError(f"Unknown message role {role!r}; use 'system', 'user' or 'assistant'.")
-        if merged and merged[-1]["role"] == role:
+        if merge and merged and merged[-1]["role"] == role:
             merged[-1] = {"role": role, "content": merged[-1]["content"] + "\n\n" + content}
         else:
             merged.append({"role": role, "content": content})

@@ -89,3 +89,16 @@ def test_inspection_reports_surprise_and_events(engine):
     assert int(sizes.max()) <= engine.config.max_block_size
     # the needle is surprising: some event starts within its few tokens
     assert report.stats["events"] > 0 and report.stats["tokens_read"] == n
+
+
+def test_consecutive_user_turns_continue_the_memory(engine):
+    """Document and question as two user turns (as `emllm chat` sends them): the question extends the memory."""
+    document = [{"role": "system", "content": "Answer from the document."},
+                {"role": "user", "content": "Marie Curie was born in Warsaw in 1867."}]
+    memory = engine.new_memory()
+    engine.read(memory, engine.chat_ids(document, add_generation_prompt=False))
+    read = memory.total_tokens
+    result = engine.chat(document + [{"role": "user", "content": "Where was she born?"}], memory=memory,
+                         max_new_tokens=12)
+    assert result.new_input_tokens == result.input_tokens - read > 0
+    assert "Warsaw" in result.text

@@ -270,3 +270,20 @@ def test_invalid_sampling_arguments_name_the_field(args, field):
 def test_nan_temperature_and_float_top_k_are_refused(args, field):
     with pytest.raises(ValueError, match=field):
         _check_sampling(*args)
+
+
+def test_fold_system_moves_system_text_into_the_next_user_turn():
+    from emllm.engine import fold_system
+
+    folded = fold_system([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello"}, {"role": "system", "content": "Late rule."}])
+    assert folded == [{"role": "user", "content": "Be brief.\n\nHi"}, {"role": "assistant", "content": "Hello"},
+                      {"role": "user", "content": "Late rule."}]
+
+
+def test_normalize_messages_without_merge_keeps_turns():
+    from emllm.engine import normalize_messages
+
+    turns = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert normalize_messages(turns, merge=False) == turns
+    assert normalize_messages(turns) == [{"role": "user", "content": "a\n\nb"}]
