@@ -246,11 +246,7 @@ class EMEngine:
                     f"(they first differ at token {_first_difference(memory.token_ids, ids)}). Use a new memory "
                     "for a different conversation.")
             started = time.perf_counter()
-            # The prompt's last token predicts the first answer token: it is read on its own so that it
-            # retrieves events with its own query, not with the mean query of a chunk of mostly context.
-            self.read(memory, ids[seen:-1], progress=progress)
-            if len(ids) > seen:
-                self.read(memory, ids[-1:])
+            self.read(memory, ids[seen:], progress=progress)
             prefill = time.perf_counter() - started
             generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
             generated: list[int] = []
