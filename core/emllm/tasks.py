@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ def passkey_document(num_tokens: int, depth: float, count_tokens: Callable[[str]
     key = str(random.Random(seed).randint(10_000, 99_999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     fixed = count_tokens(PASSKEY_INSTRUCTION + needle + PASSKEY_QUESTION)
-    repeats = max(1, (num_tokens - fixed) // count_tokens(PASSKEY_NOISE))
-    before = round(repeats * depth)
-    haystack = PASSKEY_NOISE * before + needle + PASSKEY_NOISE * (repeats - before)
-    return PasskeyDocument(PASSKEY_INSTRUCTION + haystack + PASSKEY_QUESTION, key, depth)
+    # A sentence repeated tokenises shorter than alone (merges across the joins): measure it in a run.
+    per_repeat = count_tokens(PASSKEY_NOISE * 16) / 16
+    repeats = max(1, math.ceil((num_tokens - fixed) / per_repeat))
+    while True:  # guarantee at least num_tokens: callers rely on the length (e.g. "4x the trained context")
+        before = round(repeats * depth)
+        prompt = (PASSKEY_INSTRUCTION + PASSKEY_NOISE * before + needle + PASSKEY_NOISE * (repeats - before)
+                  + PASSKEY_QUESTION)
+        missing = num_tokens - count_tokens(prompt)
+        if missing <= 0:
+            return PasskeyDocument(prompt, key, depth)
+        repeats += max(1, math.ceil(missing / per_repeat))
