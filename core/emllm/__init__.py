@@ -2,11 +2,12 @@
 
 from .config import PRESETS, ConfigError, EMConfig
 from .engine import EMEngine, GenerationResult, Inspection, MemoryMismatchError, TextStream
-from .memory import EpisodicMemory
+from .memory import EpisodicMemory, RetrievedEvent
 from .models import (DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotAvailableError, UnsupportedModelError, load_model,
                      model_fingerprint)
+from .sessions import MemoryPool, shared_engine
 from .storage import StorageFullError
 
 __all__ = ["PRESETS", "ConfigError", "EMConfig", "EMEngine", "GenerationResult", "Inspection", "MemoryMismatchError",
-           "TextStream", "EpisodicMemory", "DEFAULT_MODEL", "EMBEDDED_MODELS", "ModelNotAvailableError",
+           "TextStream", "EpisodicMemory", "RetrievedEvent", "MemoryPool", "shared_engine", "DEFAULT_MODEL", "EMBEDDED_MODELS", "ModelNotAvailableError",
            "UnsupportedModelError", "load_model", "model_fingerprint", "StorageFullError"]

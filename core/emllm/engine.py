@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from . import attention
 from .config import ConfigError, EMConfig
-from .memory import EpisodicMemory, ModelShape
+from .memory import EpisodicMemory, ModelShape, RetrievedEvent
 from .rope import RotaryTable
 
 Message = dict[str, str]
@@ -44,6 +44,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     token_ids: list[int] = field(default_factory=list)
+    retrieved_events: list[RetrievedEvent] = field(default_factory=list)  # memory in attention as the answer began
 
 
 @dataclass
@@ -127,6 +128,7 @@ class EMEngine:
             ropes = {d: RotaryTable.from_rotary_module(self._rotary, config.max_position(), self.shape.dtype, d)
                      for d in ropes}
         memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
+        memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory
 
@@ -248,6 +250,7 @@ class EMEngine:
             started = time.perf_counter()
             self.read(memory, ids[seen:], progress=progress)
             prefill = time.perf_counter() - started
+            retrieved = memory.retrieved_events()
             generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
             generated: list[int] = []
             emitted, finish = "", "length"
@@ -281,7 +284,7 @@ class EMEngine:
             holder["result"] = GenerationResult(
                 text=emitted, finish_reason=finish, input_tokens=len(ids), output_tokens=len(generated),
                 new_input_tokens=len(ids) - seen, prefill_seconds=prefill,
-                decode_seconds=time.perf_counter() - started, token_ids=generated)
+                decode_seconds=time.perf_counter() - started, token_ids=generated, retrieved_events=retrieved)
         finally:
             if own_memory:
                 memory.close()

