@@ -5,9 +5,10 @@ from .engine import EMEngine, GenerationResult, Inspection, MemoryMismatchError,
 from .memory import EpisodicMemory, RetrievedEvent
 from .models import (DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotAvailableError, UnsupportedModelError, load_model,
                      model_fingerprint)
+from .persistence import MemoryFileError, load_memory, save_memory
 from .sessions import MemoryPool, shared_engine
 from .storage import StorageFullError
 
 __all__ = ["PRESETS", "ConfigError", "EMConfig", "EMEngine", "GenerationResult", "Inspection", "MemoryMismatchError",
-           "TextStream", "EpisodicMemory", "RetrievedEvent", "MemoryPool", "shared_engine", "DEFAULT_MODEL", "EMBEDDED_MODELS", "ModelNotAvailableError",
+           "TextStream", "EpisodicMemory", "RetrievedEvent", "MemoryPool", "shared_engine", "MemoryFileError", "load_memory", "save_memory", "DEFAULT_MODEL", "EMBEDDED_MODELS", "ModelNotAvailableError",
            "UnsupportedModelError", "load_model", "model_fingerprint", "StorageFullError"]

@@ -12,6 +12,7 @@ the memory stopped (continuation), anything else is refused rather than silently
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -128,6 +129,19 @@ class EMEngine:
             ropes = {d: RotaryTable.from_rotary_module(self._rotary, config.max_position(), self.shape.dtype, d)
                      for d in ropes}
         memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
+        memory.on_fork = self._memories.add
+        self._memories.add(memory)
+        return memory
+
+    def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike") -> Any:
+        """Write a memory to a directory atomically (safetensors + a checked manifest); see persistence.py."""
+        from .persistence import save_memory
+        return save_memory(memory, path, engine=self)
+
+    def load_memory(self, path: "str | os.PathLike", config: EMConfig | None = None) -> EpisodicMemory:
+        """A memory saved by save_memory, verified (version, model, shapes, checksums) before anything is used."""
+        from .persistence import load_memory
+        memory = load_memory(path, self, config=config)
         memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory

@@ -1,0 +1,683 @@
+"""Saving and loading a whole episodic memory: durable, atomic, verified.
+
+A memory that read a book is worth minutes of prefill; saved, it can be questioned again tomorrow, by another
+process, and answer exactly as before. A saved memory is a directory:
+
+    manifest.json       format and version, the model's fingerprint and shape, the memory's config, its counts
+                        (tokens, events, window, sinks, ...), every array's dtype and shape, the size and blake2b
+                        of every other file, and a checksum of the manifest itself
+    state.safetensors   everything but the evicted KV: token ids, surprise, boundary flags, events, last logits,
+                        per layer the local window (raw keys, rotated keys, values, attention received), the sinks,
+                        the representatives, the contiguity queue, the retrieved event ids and retrieval counts
+    kv.safetensors      the evicted KV as one tensor "pages" [pages, layers, 2, page_tokens, kv_heads, head_dim]
+                        (the last page zero-padded), written and read one page at a time: it can be GBs
+
+No pickle anywhere: JSON and safetensors (the KV file is written by hand in the safetensors layout, so it can be
+streamed; any safetensors reader opens it).
+
+Atomic: the files are written into a temporary sibling directory and fsynced, then it takes the target's place
+(an atomic exchange where the file system offers one, otherwise the old save is renamed aside first; a crash
+between the two renames is repaired by the next load or save). A crash at any point leaves either the previous
+complete save or the new one. Loading checks the version, the model, the config, every count and shape and every
+checksum, and returns either a complete memory or raises MemoryFileError: nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from .config import ConfigError, EMConfig
+from .memory import EpisodicMemory
+from .retrieval import token_index_of_events
+from .storage import PageStore, StorageFullError
+
+if TYPE_CHECKING:
+    from .engine import EMEngine
+
+FORMAT = "emllm-episodic-memory"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE_FILE = "state.safetensors"
+KV_FILE = "kv.safetensors"
+
+#: Config fields that say where a memory's pages live and how much may be read, not what it is: a loaded memory
+#: takes them from the loading side (its machine, its disks), everything else from the save.
+PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "offload_dir", "max_input_tokens")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "int64": torch.int64, "bool": torch.bool}
+_SAFETENSORS_CODE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_SIBLING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>saving|old|trash)-(?P<pid>\d+)-[0-9a-f]+$")
+
+
+class MemoryFileError(ValueError):
+    """A saved memory cannot be loaded: missing, damaged, foreign, or made for another model or version.
+    The message names the file and the problem."""
+
+
+# ====================================================================== saving
+def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EMEngine") -> Path:
+    """Save everything ``memory`` has read into the directory ``path`` (replaced atomically if it holds a save).
+
+    ``engine`` is the engine that made the memory: its model's fingerprint goes into the manifest so the memory is
+    never loaded into another model. Raises StorageFullError (the previous save intact, nothing left behind) when
+    the disk is full. Returns the directory.
+    """
+    if memory.closed:
+        raise ValueError("This episodic memory was closed; there is nothing to save.")
+    if memory.shape != engine.shape:
+        raise ValueError(f"This memory was made for a model of shape {memory.shape}, but the engine passed runs "
+                         f"{engine.shape}; pass the engine that made the memory.")
+    target = Path(path).absolute()
+    _check_replaceable(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _tidy_siblings(target)
+    store = memory.store
+    kv_pages = math.ceil(store.num_tokens / store.page_tokens)
+    state = _state_tensors(memory)
+    state_bytes = safetensors.torch.save(state, metadata={"format": FORMAT})
+    needed = kv_pages * store.page_bytes + len(state_bytes) + 2**16
+    free = shutil.disk_usage(target.parent).free
+    if free < needed:
+        raise StorageFullError(errno.ENOSPC, _full_message(target, "the save", needed, free, "(checked before "
+                                                           "writing anything)"))
+    temp = _sibling(target, "saving")
+    current = "a temporary directory"
+    try:
+        os.mkdir(temp)
+        current = KV_FILE
+        files = {KV_FILE: _write_file(temp / KV_FILE, _kv_chunks(store, kv_pages))}
+        current = STATE_FILE
+        files[STATE_FILE] = _write_file(temp / STATE_FILE, [state_bytes])
+        files[KV_FILE]["tensors"] = {"pages": _spec(store.dtype, [kv_pages, *store.page_shape])}
+        files[STATE_FILE]["tensors"] = {name: _spec(t.dtype, list(t.shape)) for name, t in state.items()}
+        current = MANIFEST
+        manifest = _manifest(memory, engine, files, kv_pages)
+        _write_file(temp / MANIFEST, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
+        _fsync_dir(temp)
+        current = "the directory entry"
+        _install(temp, target)
+    except BaseException as error:
+        shutil.rmtree(temp, ignore_errors=True)
+        if isinstance(error, OSError) and error.errno in _FULL_DISK:
+            free = shutil.disk_usage(target.parent).free
+            raise StorageFullError(error.errno, _full_message(target, current, needed, free,
+                                                              f"({error.strerror})")) from error
+        raise
+    return target
+
+
+def _full_message(target: Path, what: str, needed: int, free: int, detail: str) -> str:
+    return (f"Could not save the episodic memory to {target}: no room for {what} {detail}; the save needs about "
+            f"{needed / 2**20:.1f} MB and {free / 2**20:.1f} MB are free there. The previous save there (if any) is "
+            "intact and nothing was left behind; free disk space or save to a larger disk.")
+
+
+def _check_replaceable(target: Path) -> None:
+    """Only a saved memory (or nothing, or an empty directory) may be replaced: never a user's other data."""
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise ValueError(f"{target} is a file, not a saved memory; choose a directory path for save_memory.")
+    if any(target.iterdir()) and not (target / MANIFEST).is_file():
+        raise ValueError(f"{target} is a non-empty directory without {MANIFEST}: it is not a saved memory and "
+                         "will not be replaced. Choose a new or empty directory.")
+
+
+def _state_tensors(memory: EpisodicMemory) -> dict[str, torch.Tensor]:
+    """Every piece of memory state outside the page store, as CPU tensors (layers stacked on dim 0)."""
+    layers = memory.layers
+    window = _uniform(layers, "length")
+    rotated = min(layer.rotated_length for layer in layers)
+    if any(layer.rotated_length != rotated for layer in layers):
+        rotated = 0  # not aligned across layers (never after a forward pass): rotated again on demand, same values
+    queues = [list(layer.contiguity._queue.items()) for layer in layers]
+    retrieved = [list(layer.retrieved_ids) for layer in layers]
+    cpu = lambda t: t.detach().to("cpu").contiguous().clone()  # noqa: E731  (safetensors refuses shared memory)
+    stack = lambda ts: cpu(torch.stack([t.to("cpu") for t in ts]))  # noqa: E731
+    state = {
+        "token_ids": torch.tensor(memory.token_ids, dtype=torch.int64),
+        "surprise": cpu(memory.surprise.float()),
+        "boundary_flags": cpu(memory.boundary_flags.bool()),
+        "event_starts": cpu(memory.event_starts.long()),
+        "event_sizes": cpu(memory.event_sizes.long()),
+        "window_keys": stack([layer.keys[:, :window] for layer in layers]),
+        "window_values": stack([layer.values[:, :window] for layer in layers]),
+        "window_rotated": stack([layer.rotated[:, :rotated] for layer in layers]),
+        "window_scores": stack([layer.scores[:, :window].float() for layer in layers]),
+        "sink_keys": stack([layer.sink_keys for layer in layers]),
+        "sink_values": stack([layer.sink_values for layer in layers]),
+        "representatives": stack([layer.index.vectors.float() for layer in layers]),
+        "contiguity_ids": torch.tensor([e for q in queues for e, _ in q], dtype=torch.int64),
+        "contiguity_sizes": torch.tensor([s for q in queues for _, s in q], dtype=torch.int64),
+        "contiguity_counts": torch.tensor([len(q) for q in queues], dtype=torch.int64),
+        "retrieved_ids": torch.tensor([e for r in retrieved for e in r], dtype=torch.int64),
+        "retrieved_counts": torch.tensor([len(r) for r in retrieved], dtype=torch.int64),
+        "retrievals": torch.tensor([layer.retrievals for layer in layers], dtype=torch.int64),
+    }
+    if memory.last_logits is not None:
+        state["last_logits"] = cpu(memory.last_logits)
+    return state
+
+
+def _uniform(layers: list, name: str) -> int:
+    values = {getattr(layer, name) for layer in layers}
+    if len(values) != 1:
+        raise RuntimeError(f"Layers disagree on {name} ({sorted(values)}): the memory is mid-forward or damaged "
+                           "and cannot be saved.")
+    return values.pop()
+
+
+def _read_page(store: PageStore, page_id: int) -> torch.Tensor:
+    """A page from whichever tier holds it, without promoting it (saving must not reshuffle or write the store)."""
+    if store._tail is not None and page_id == store.num_tokens // store.page_tokens:
+        return store._tail
+    for tier in store.tiers:
+        if page_id in tier.pages:
+            return tier.pages[page_id]
+    return store._read_disk(page_id)
+
+
+def _kv_chunks(store: PageStore, pages: int) -> Iterator[memoryview]:
+    """The KV file's bytes: a safetensors header, then each page in order (one page in RAM at a time)."""
+    yield memoryview(_safetensors_header("pages", store.dtype, [pages, *store.page_shape], pages * store.page_bytes))
+    for page_id in range(pages):
+        page = _read_page(store, page_id).detach().to("cpu")
+        fill = min(store.page_tokens, store.num_tokens - page_id * store.page_tokens)
+        if fill < store.page_tokens:  # the tail: its unused rows are uninitialised memory, write zeros instead
+            padded = torch.zeros(store.page_shape, dtype=store.dtype)
+            padded[:, :, :fill] = page[:, :, :fill]
+            page = padded
+        yield _bytes_of(page)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _safetensors_header(name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> bytes:
+    header = {"__metadata__": {"format": FORMAT},
+              name: {"dtype": _SAFETENSORS_CODE[dtype], "shape": shape, "data_offsets": [0, nbytes]}}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> dict[str, Any]:
+    """Write chunks to a new file, fsync it, and return its size and blake2b."""
+    digest, size = hashlib.blake2b(digest_size=32), 0
+    with open(path, "xb") as handle:
+        for chunk in chunks:
+            handle.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return {"bytes": size, "blake2b": digest.hexdigest()}
+
+
+def _spec(dtype: torch.dtype, shape: list[int]) -> dict[str, Any]:
+    return {"dtype": str(dtype).removeprefix("torch."), "shape": [int(s) for s in shape]}
+
+
+def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages: int) -> dict[str, Any]:
+    from . import models
+
+    layer = memory.layers[0]
+    shape = memory.shape
+    logits = memory.last_logits
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": {"name": engine.model_name, "fingerprint": models.model_fingerprint(engine.model),
+                  "num_layers": shape.num_layers, "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
+                  "head_dim": shape.head_dim, "dtype": _spec(shape.dtype, [])["dtype"],
+                  "max_positions": shape.max_positions},
+        "config": _config_fields(memory.config),
+        "memory": {
+            "total_tokens": memory.total_tokens, "events": memory.num_events,
+            "evicted_tokens": memory.store.num_tokens, "sink_tokens": int(layer.sink_keys.shape[1]),
+            "window_tokens": layer.length, "rotated_tokens": files[STATE_FILE]["tensors"]["window_rotated"]["shape"][2],
+            "local_start": memory.local_start, "sinks_split": memory.sinks_split,
+            "track_surprise": memory.track_surprise,
+            "contiguity_entries": sum(len(l.contiguity._queue) for l in memory.layers),
+            "retrieved_entries": sum(len(l.retrieved_ids) for l in memory.layers),
+            "last_logits": None if logits is None else _spec(logits.dtype, list(logits.shape)),
+            "kv_pages": kv_pages, "kv_page_tokens": memory.store.page_tokens,
+        },
+        "files": files,
+    }
+    manifest["checksum"] = _manifest_checksum(manifest)
+    return manifest
+
+
+def _config_fields(config: EMConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
+
+
+def _manifest_checksum(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.blake2b(json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
+                           digest_size=32).hexdigest()
+
+
+# ---------------------------------------------------------------------- atomic replacement
+def _install(temp: Path, target: Path) -> None:
+    """Put the finished temp directory at target; afterwards exactly one complete save is at target."""
+    parent = target.parent
+    if not target.exists():
+        os.rename(temp, target)
+        _fsync_dir(parent)
+        return
+    if _exchange(temp, target):  # atomic swap: target is the new save, temp now holds the old one
+        _fsync_dir(parent)
+        shutil.rmtree(temp, ignore_errors=True)
+        return
+    # No atomic exchange here: rename the old save aside, then the new one in. A crash between the two leaves the
+    # complete old save under the ".old-" name, which _tidy_siblings renames back.
+    aside = _sibling(target, "old")
+    os.rename(target, aside)
+    try:
+        os.rename(temp, target)
+    except BaseException:
+        os.rename(aside, target)  # put the old save back before reporting the failure
+        raise
+    _fsync_dir(parent)
+    trash = _sibling(target, "trash")  # renamed first, so a half-removed old save is never mistaken for a whole one
+    os.rename(aside, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+_RENAME_EXCHANGE = 2
+_HAVE_EXCHANGE = True  # cleared on the first file system or platform without renameat2(RENAME_EXCHANGE)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where unsupported."""
+    global _HAVE_EXCHANGE
+    if not _HAVE_EXCHANGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        _HAVE_EXCHANGE = False
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # this file system cannot exchange; another might, so only the platform check is cached
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tidy_siblings(target: Path) -> None:
+    """Repair and clean up after a crashed save of target: restore an old save that was renamed aside (the new
+    one never arrived), then remove temp/old/trash siblings whose process is gone."""
+    if not target.parent.is_dir():
+        return
+    found = []
+    for entry in target.parent.iterdir():
+        match = _SIBLING.match(entry.name)
+        if match and match["name"] == target.name and not _alive(int(match["pid"])):
+            found.append((match["kind"], entry))
+    if not target.exists():
+        olds = sorted((e for kind, e in found if kind == "old" and (e / MANIFEST).is_file()),
+                      key=lambda e: e.stat().st_mtime)
+        if olds:
+            os.rename(olds[-1], target)
+            _fsync_dir(target.parent)
+    for _, entry in found:
+        if entry.exists():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ====================================================================== loading
+def load_memory(path: str | os.PathLike, engine: "EMEngine", *, config: EMConfig | None = None) -> EpisodicMemory:
+    """Load a memory saved by save_memory into a new memory of ``engine``; it answers exactly as the saved one.
+
+    The saved config is restored; only the placement fields (page_tokens, ram_budget_mb, device_budget_mb,
+    offload_dir, max_input_tokens) come from ``config`` (default: the engine's), so evicted pages go to this
+    machine's RAM within its budget and the rest to its disk. A ``config`` whose other fields differ from the saved
+    ones is refused. Raises MemoryFileError if anything is missing, damaged, foreign or incompatible; then no memory
+    is returned and nothing is left behind.
+    """
+    target = Path(path).absolute()
+    _tidy_siblings(target)
+    if not target.is_dir():
+        raise MemoryFileError(f"No saved memory at {target}: " + ("it is a file, not a directory."
+                              if target.exists() else "the directory does not exist."))
+    manifest = _read_manifest(target)
+    _check_model(manifest, engine, target)
+    memory_config = _restore_config(manifest, engine, config, target)
+    info = manifest["memory"]
+    expected = _expected_specs(info, manifest["model"])
+    files = _check_files(manifest, expected, target)
+    state = _read_state(target / STATE_FILE, files[STATE_FILE], expected[STATE_FILE])
+    _check_consistency(state, info, memory_config, target)
+    memory = engine.new_memory(memory_config)
+    try:
+        _restore_state(memory, state, info, engine)
+        _stream_kv(memory.store, target / KV_FILE, files[KV_FILE], info)
+        _restore_retrieved(memory)
+    except BaseException:
+        memory.close()
+        raise
+    return memory
+
+
+def _read_manifest(target: Path) -> dict[str, Any]:
+    path = target / MANIFEST
+    if not path.is_file():
+        raise MemoryFileError(f"{path} is missing: {target} is not a saved episodic memory (or the save is "
+                              "incomplete). Save one with save_memory().")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise MemoryFileError(f"{path} is damaged: not valid JSON ({error}).") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise MemoryFileError(f"{path} is not an emllm episodic-memory manifest (format {found!r}, expected "
+                              f"{FORMAT!r}).")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise MemoryFileError(f"{path} has format version {version!r}; this emllm reads version {FORMAT_VERSION}. "
+                              "Load it with the emllm release that saved it, or read the document again.")
+    if manifest.get("checksum") != _manifest_checksum(manifest):
+        raise MemoryFileError(f"{path} is damaged: its checksum does not match its content (edited or corrupted).")
+    for key in ("model", "config", "memory", "files"):
+        if not isinstance(manifest.get(key), dict):
+            raise MemoryFileError(f"{path} lacks its {key!r} section.")
+    return manifest
+
+
+def _check_model(manifest: dict[str, Any], engine: "EMEngine", target: Path) -> None:
+    from . import models
+
+    saved = manifest["model"]
+    fingerprint = models.model_fingerprint(engine.model)
+    if saved.get("fingerprint") != fingerprint:
+        raise MemoryFileError(
+            f"The memory at {target} was saved with model {saved.get('name')!r} (fingerprint "
+            f"{saved.get('fingerprint')}), but this engine runs {engine.model_name!r} (fingerprint {fingerprint}). "
+            "A memory holds one model's keys and values; load it with the model that made it.")
+    logits = manifest["memory"].get("last_logits")
+    head = engine.model.get_output_embeddings()
+    if isinstance(logits, dict) and head is not None and logits.get("shape") != [head.weight.shape[0]]:
+        raise MemoryFileError(f"The memory at {target} holds logits over {logits.get('shape')} tokens, but this "
+                              f"model's vocabulary has {head.weight.shape[0]}; load it with the model that made it.")
+    shape = engine.shape
+    ours = {"num_layers": shape.num_layers, "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
+            "head_dim": shape.head_dim, "dtype": _spec(shape.dtype, [])["dtype"]}
+    differ = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k}: saved {a!r}, engine {b!r}" for k, (a, b) in differ.items())
+        raise MemoryFileError(f"The memory at {target} does not fit this engine's model ({detail}). Load it with "
+                              "the same model in the same dtype it was saved with.")
+
+
+def _restore_config(manifest: dict[str, Any], engine: "EMEngine", config: EMConfig | None,
+                    target: Path) -> EMConfig:
+    saved = dict(manifest["config"])
+    names = {f.name for f in dataclasses.fields(EMConfig) if f.name != "extra"}
+    if set(saved) != names:
+        raise MemoryFileError(f"{target / MANIFEST}: the saved config fields do not match this emllm's EMConfig "
+                              f"(unknown: {sorted(set(saved) - names)}, missing: {sorted(names - set(saved))}).")
+    if isinstance(saved.get("refine_layers"), list):
+        saved["refine_layers"] = tuple(saved["refine_layers"])
+    placement = config or engine.config
+    if config is not None:
+        differ = [f"{k}={saved[k]!r} (given {getattr(config, k)!r})" for k in sorted(names - set(PLACEMENT_FIELDS))
+                  if saved[k] != getattr(config, k)]
+        if differ:
+            raise MemoryFileError(
+                f"The memory at {target} was built with {', '.join(differ)} (see its {MANIFEST}); a memory's "
+                "layout and method cannot change after it was read. Pass a config with the saved values, or none "
+                "(the saved one is used).")
+    saved.update({k: getattr(placement, k) for k in PLACEMENT_FIELDS})
+    try:
+        restored = EMConfig(**saved, extra=dict(placement.extra))
+        restored.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
+    except (ConfigError, TypeError) as error:
+        raise MemoryFileError(f"{target / MANIFEST}: the saved config cannot be used with this engine: {error}") \
+            from error
+    return restored
+
+
+def _expected_specs(info: dict[str, Any], model: dict[str, Any]) -> dict[str, dict[str, dict]]:
+    """Every array's dtype and shape, derived from the manifest's counts and the model's shape."""
+    try:
+        L, kv, d = model["num_layers"], model["num_kv_heads"], model["head_dim"]
+        dtype = _DTYPES[model["dtype"]]
+        T, E = info["total_tokens"], info["events"]
+        W, R, S = info["window_tokens"], info["rotated_tokens"], info["sink_tokens"]
+        state = {
+            "token_ids": _spec(torch.int64, [T]), "surprise": _spec(torch.float32, [T]),
+            "boundary_flags": _spec(torch.bool, [T]),
+            "event_starts": _spec(torch.int64, [E]), "event_sizes": _spec(torch.int64, [E]),
+            "window_keys": _spec(dtype, [L, kv, W, d]), "window_values": _spec(dtype, [L, kv, W, d]),
+            "window_rotated": _spec(dtype, [L, kv, R, d]), "window_scores": _spec(torch.float32, [L, kv, W]),
+            "sink_keys": _spec(dtype, [L, kv, S, d]), "sink_values": _spec(dtype, [L, kv, S, d]),
+            "representatives": _spec(torch.float32, [L, E, kv * d]),
+            "contiguity_ids": _spec(torch.int64, [info["contiguity_entries"]]),
+            "contiguity_sizes": _spec(torch.int64, [info["contiguity_entries"]]),
+            "contiguity_counts": _spec(torch.int64, [L]),
+            "retrieved_ids": _spec(torch.int64, [info["retrieved_entries"]]),
+            "retrieved_counts": _spec(torch.int64, [L]), "retrievals": _spec(torch.int64, [L]),
+        }
+        if info["last_logits"] is not None:
+            state["last_logits"] = dict(info["last_logits"])
+        page_shape = [L, 2, info["kv_page_tokens"], kv, d]
+        kv_file = {"pages": _spec(dtype, [info["kv_pages"], *page_shape])}
+        counts = [T, E, W, R, S, info["contiguity_entries"], info["retrieved_entries"], info["kv_pages"],
+                  info["kv_page_tokens"], info["evicted_tokens"], info["local_start"]]
+    except (KeyError, TypeError) as error:
+        raise MemoryFileError(f"{MANIFEST} lacks or garbles a required entry: {error!r}.") from error
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts) or info["kv_page_tokens"] < 1:
+        raise MemoryFileError(f"{MANIFEST} holds impossible counts in its 'memory' section: {info}.")
+    return {STATE_FILE: state, KV_FILE: kv_file}
+
+
+def _check_files(manifest: dict[str, Any], expected: dict, target: Path) -> dict[str, dict]:
+    """Every file listed, present, of the recorded size, with the shapes the counts imply (no data read yet)."""
+    files = manifest["files"]
+    for name in (STATE_FILE, KV_FILE):
+        entry = files.get(name)
+        path = target / name
+        if not isinstance(entry, dict) or not {"bytes", "blake2b", "tensors"} <= set(entry):
+            raise MemoryFileError(f"{target / MANIFEST} does not describe {name}.")
+        if entry["tensors"] != expected[name]:
+            raise MemoryFileError(f"{target / MANIFEST}: the arrays listed for {name} do not match the memory's "
+                                  "counts (the manifest is inconsistent).")
+        if not path.is_file():
+            raise MemoryFileError(f"{path} is missing: the saved memory is incomplete.")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            what = "truncated" if size < entry["bytes"] else "longer than saved"
+            raise MemoryFileError(f"{path} is damaged: {what} ({size} bytes, the save wrote {entry['bytes']}).")
+    return files
+
+
+def _read_state(path: Path, entry: dict, expected: dict) -> dict[str, torch.Tensor]:
+    data = path.read_bytes()
+    if len(data) != entry["bytes"] or hashlib.blake2b(data, digest_size=32).hexdigest() != entry["blake2b"]:
+        raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one saved (corrupted, "
+                              "or a file from another save).")
+    try:
+        state = safetensors.torch.load(data)
+    except Exception as error:  # safetensors raises its own error type for a malformed file
+        raise MemoryFileError(f"{path} is not a valid safetensors file: {error}") from error
+    got = {name: _spec(t.dtype, list(t.shape)) for name, t in state.items()}
+    if got != expected:
+        differing = sorted(k for k in set(got) | set(expected) if got.get(k) != expected.get(k))
+        raise MemoryFileError(f"{path} holds arrays that do not match the manifest (differing: {differing}).")
+    return state
+
+
+def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMConfig, target: Path) -> None:
+    """Relations between the arrays that a well-formed memory always satisfies (cheap; catches a manifest whose
+    counts were forged consistently but do not describe a real memory)."""
+    starts, sizes = state["event_starts"], state["event_sizes"]
+    E = starts.shape[0]
+    problems = []
+    if int(sizes.sum()) != info["evicted_tokens"] or (E and bool((sizes < 1).any())):
+        problems.append("event sizes do not add up to the evicted tokens")
+    if E and not torch.equal(starts, torch.cumsum(sizes, 0) - sizes):
+        problems.append("events are not contiguous")
+    if info["sink_tokens"] + info["evicted_tokens"] + info["window_tokens"] != info["total_tokens"]:
+        problems.append("sinks + evicted + window tokens != tokens read")
+    if info["local_start"] != info["sink_tokens"] + info["evicted_tokens"]:
+        problems.append("local_start is not sinks + evicted tokens")
+    if info["rotated_tokens"] > info["window_tokens"] or info["sink_tokens"] > config.n_init or (
+            config.attention == "episodic" and info["window_tokens"] > config.max_position()):
+        problems.append("window or sink sizes exceed the layout")
+    if info["kv_pages"] != math.ceil(info["evicted_tokens"] / info["kv_page_tokens"]):
+        problems.append("KV page count does not match the evicted tokens")
+    for name in ("contiguity", "retrieved"):
+        ids = state[f"{name}_ids"]
+        if int(state[f"{name}_counts"].sum()) != ids.shape[0] or (ids.numel() and
+                                                                    (int(ids.min()) < 0 or int(ids.max()) >= E)):
+            problems.append(f"{name} ids are out of range")
+    if state["contiguity_ids"].numel() and E and not torch.equal(
+            state["contiguity_sizes"], sizes[state["contiguity_ids"].clamp(0, E - 1)]):
+        problems.append("contiguity sizes disagree with the events")
+    if (info["last_logits"] is None) != (info["total_tokens"] == 0):
+        problems.append("last logits present without tokens read (or missing after reading)")
+    if problems:
+        raise MemoryFileError(f"The saved memory at {target} is inconsistent ({MANIFEST} vs {STATE_FILE}): "
+                              f"{'; '.join(problems)}.")
+
+
+def _restore_state(memory: EpisodicMemory, state: dict[str, torch.Tensor], info: dict, engine: "EMEngine") -> None:
+    memory.token_ids = state["token_ids"].tolist()
+    memory.surprise = state["surprise"]
+    memory.boundary_flags = state["boundary_flags"]
+    memory.event_starts, memory.event_sizes = state["event_starts"], state["event_sizes"]
+    memory.sinks_split, memory.local_start = bool(info["sinks_split"]), int(info["local_start"])
+    memory.track_surprise = bool(info["track_surprise"])
+    if "last_logits" in state:
+        head = engine.model.get_output_embeddings()
+        device = head.weight.device if head is not None else engine.input_device
+        memory.last_logits = state["last_logits"].to(device)
+    window, rotated = info["window_tokens"], info["rotated_tokens"]
+    contiguity = _split(state["contiguity_ids"].tolist(), state["contiguity_counts"].tolist())
+    contiguity_sizes = _split(state["contiguity_sizes"].tolist(), state["contiguity_counts"].tolist())
+    retrieved = _split(state["retrieved_ids"].tolist(), state["retrieved_counts"].tolist())
+    for i, layer in enumerate(memory.layers):
+        device = layer.device
+        layer.append(state["window_keys"][i].to(device), state["window_values"][i].to(device))  # grows if needed
+        layer.scores[:, :window] = state["window_scores"][i].to(device)
+        layer.rotated[:, :rotated] = state["window_rotated"][i].to(device)
+        layer.rotated_length = rotated
+        layer.sink_keys = state["sink_keys"][i].to(device).clone()
+        layer.sink_values = state["sink_values"][i].to(device).clone()
+        layer.memory_keys, layer.memory_values = layer.sink_keys, layer.sink_values
+        if info["events"]:
+            layer.index.add(state["representatives"][i])
+        layer.contiguity._queue = OrderedDict(zip(contiguity[i], contiguity_sizes[i]))
+        layer.retrieved_ids = tuple(retrieved[i])
+        layer.retrievals = int(state["retrievals"][i])
+
+
+def _split(flat: list[int], counts: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for n in counts:
+        out.append(flat[start:start + n])
+        start += n
+    return out
+
+
+def _stream_kv(store: PageStore, path: Path, entry: dict, info: dict) -> None:
+    """Append the saved pages to the new store one at a time (it spills to disk past its RAM budget), hashing as
+    it goes; the checksum is compared at the end, and a mismatch fails the whole load."""
+    pages, page_tokens, total = info["kv_pages"], info["kv_page_tokens"], info["evicted_tokens"]
+    page_shape = (*store.page_shape[:2], page_tokens, *store.page_shape[3:])
+    page_bytes = int(np.prod(page_shape)) * torch.empty(0, dtype=store.dtype).element_size()
+    digest = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        digest.update(prefix)
+        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < header_len <= 2**20:
+            raise MemoryFileError(f"{path} is damaged: its safetensors header length ({header_len}) is impossible.")
+        raw = handle.read(header_len)
+        digest.update(raw)
+        try:
+            header = json.loads(raw)
+            spec = header["pages"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise MemoryFileError(f"{path} is damaged: unreadable safetensors header ({error!r}).") from error
+        if spec != {"dtype": _SAFETENSORS_CODE[store.dtype], "shape": [pages, *page_shape],
+                    "data_offsets": [0, pages * page_bytes]}:
+            raise MemoryFileError(f"{path} is damaged: its header describes {spec}, not the saved pages.")
+        buffer = bytearray(page_bytes)
+        for page_id in range(pages):
+            if handle.readinto(buffer) != page_bytes:
+                raise MemoryFileError(f"{path} is damaged: truncated at page {page_id} of {pages}.")
+            digest.update(buffer)
+            page = torch.frombuffer(buffer, dtype=torch.uint8).view(store.dtype).reshape(page_shape)
+            fill = min(page_tokens, total - page_id * page_tokens)
+            store.append(page[:, :, :fill])  # copies into the store's own page
+        if handle.read(1):
+            raise MemoryFileError(f"{path} is damaged: it has data past the saved pages.")
+    if digest.hexdigest() != entry["blake2b"]:
+        raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one saved (corrupted, "
+                              "or a file from another save).")
+
+
+def _restore_retrieved(memory: EpisodicMemory) -> None:
+    """Gather each layer's retrieved events from the store again: the same KV the layer held when saved."""
+    for layer in memory.layers:
+        if not layer.retrieved_ids:
+            continue
+        ids = torch.tensor(layer.retrieved_ids, dtype=torch.long)
+        tokens = token_index_of_events(ids, memory.event_starts, memory.event_sizes)
+        keys, values = memory.store.gather(layer.layer_index, tokens, layer.device)
+        layer.memory_keys = torch.cat([layer.sink_keys, keys], dim=1)
+        layer.memory_values = torch.cat([layer.sink_values, values], dim=1)
