@@ -1,0 +1,173 @@
+"""ChatEMLLM without model weights: construction and validation, message conversion, LangChain identity, and
+LangChain's standard unit suite (``langchain_tests.unit_tests.ChatModelUnitTests``)."""
+
+from __future__ import annotations
+
+import pytest
+from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from emllm import EMConfig, sessions
+from emllm_integrations.langchain import ChatEMLLM, to_engine_messages
+
+SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
+
+
+class TestChatEMLLMStandardUnit(ChatModelUnitTests):
+    """The peer suite. Tool calling, structured output and multimodal input are not supported, and the suite
+    detects that itself (bind_tools / with_structured_output are not overridden; image/audio/pdf flags default to
+    False), so those tests return or skip on the suite's own flags."""
+
+    @property
+    def chat_model_class(self) -> type[ChatEMLLM]:
+        return ChatEMLLM
+
+    @property
+    def chat_model_params(self) -> dict:
+        return dict(SMALL)  # the suite adds temperature, max_tokens, stop, timeout, max_retries and api_key
+
+
+# ---------------------------------------------------------------------- construction
+def test_defaults_use_the_embedded_model_and_the_engine_default_preset():
+    llm = ChatEMLLM()
+    assert llm.model_name is None and llm._display_name() == "smollm2-135m-instruct"
+    assert llm.em_config() == EMConfig.from_preset("SM")
+    assert llm.temperature == 0.0 and llm.max_tokens > 0 and llm.stop is None
+
+
+@pytest.mark.parametrize("key", ["model", "model_name"])
+def test_model_and_its_alias_name_the_same_field(key):
+    assert ChatEMLLM(**{key: "smollm2-135m-instruct"}).model_name == "smollm2-135m-instruct"
+
+
+def test_engine_fields_by_name_reach_the_memory_config():
+    llm = ChatEMLLM(preset="S", gamma=2.0, **SMALL)
+    assert llm.engine_fields == {**SMALL, "gamma": 2.0}
+    assert llm.em_config() == EMConfig.from_preset("S", gamma=2.0, **SMALL)
+    assert ChatEMLLM(engine_fields={"n_local": 512}, n_mem=512).engine_fields == {"n_local": 512, "n_mem": 512}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(preset="XL"), "Unknown preset 'XL'"),
+    (dict(n_lokal=1024), r"Unknown argument\(s\) \['n_lokal'\]"),
+    (dict(engine_fields={"n_lokal": 1}), r"Unknown config field\(s\) \['n_lokal'\]"),
+    (dict(min_block_size=200, max_block_size=100), "min_block_size .* is larger than max_block_size"),
+    (dict(max_tokens=0), "max_tokens must be a positive integer"),
+    (dict(max_tokens=-5), "max_tokens must be a positive integer"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(max_memories=0), "max_memories must be at least 1"),
+    (dict(model="no-such-model"), "neither an existing local model directory nor an embedded model"),
+])
+def test_bad_settings_fail_at_construction_with_the_problem_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ChatEMLLM(**bad)
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="without a config.json"):
+        ChatEMLLM(model=str(tmp_path))
+
+
+def test_construction_loads_nothing():
+    """Weights load on first use: building many instances (even with a new model dir) touches no engine."""
+    before = sessions.loaded_engines()
+    llms = [ChatEMLLM(preset=p, **SMALL) for p in ("S", "SM", "F", "SM+C", "full") * 4]
+    assert len(llms) == 20 and sessions.loaded_engines() == before
+
+
+# ---------------------------------------------------------------------- messages
+def test_roles_map_to_the_engine_roles_in_order():
+    messages = [SystemMessage("rules"), HumanMessage("q1"), AIMessage("a1"), ChatMessage(role="user", content="q2"),
+                ChatMessage(role="assistant", content="a2"), HumanMessage("q3")]
+    assert to_engine_messages(messages) == [
+        {"role": "system", "content": "rules"}, {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"}, {"role": "user", "content": "q3"}]
+
+
+def test_consecutive_same_role_messages_stay_separate_turns():
+    """Kept as given (a longer conversation then extends a shorter one token for token); the engine merges them
+    only for a template that rejects them."""
+    messages = [SystemMessage("a"), SystemMessage("b"), HumanMessage("c"), HumanMessage("d")]
+    assert [m["role"] for m in to_engine_messages(messages)] == ["system", "system", "user", "user"]
+
+
+def test_names_are_kept_as_a_prefix():
+    converted = to_engine_messages([HumanMessage("hi", name="alice"), AIMessage("hello alice", name="bot"),
+                                    HumanMessage("no name")])
+    assert [m["content"] for m in converted] == ["alice: hi", "bot: hello alice", "no name"]
+
+
+def test_text_blocks_are_joined():
+    message = HumanMessage(content=[{"type": "text", "text": "Read "}, "this ", {"type": "text", "text": "text."}])
+    assert to_engine_messages([message]) == [{"role": "user", "content": "Read this text."}]
+
+
+@pytest.mark.parametrize("block", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "image", "base64": "AAAA", "mime_type": "image/png"},
+    {"type": "file", "base64": "AAAA", "mime_type": "application/pdf"},
+    {"type": "audio", "base64": "AAAA", "mime_type": "audio/wav"},
+])
+def test_non_text_content_is_a_clear_error(block):
+    with pytest.raises(ValueError, match=f"reads text only.*'{block['type']}' content block"):
+        to_engine_messages([HumanMessage(content=[{"type": "text", "text": "What is this?"}, block])])
+
+
+def test_tool_messages_and_tool_calls_are_clear_errors():
+    with pytest.raises(ValueError, match="no tool calling.*ToolMessage"):
+        to_engine_messages([HumanMessage("1+2?"), ToolMessage("3", tool_call_id="x")])
+    call = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "x", "type": "tool_call"}])
+    with pytest.raises(ValueError, match="AIMessage with tool_calls"):
+        to_engine_messages([HumanMessage("1+2?"), call])
+
+
+def test_unknown_roles_and_empty_conversations_are_clear_errors():
+    with pytest.raises(ValueError, match="Unknown message role 'narrator'"):
+        to_engine_messages([ChatMessage(role="narrator", content="Once upon a time")])
+    with pytest.raises(ValueError, match="message list is empty"):
+        to_engine_messages([])
+
+
+# ---------------------------------------------------------------------- identity and per-call options
+def test_identifying_params_hold_everything_that_changes_the_answer():
+    llm = ChatEMLLM(preset="S", temperature=0.5, seed=3, stop=["\n"], max_tokens=7, **SMALL)
+    params = llm._identifying_params
+    assert params["preset"] == "S" and params["n_local"] == 512 and params["temperature"] == 0.5
+    assert params["seed"] == 3 and params["stop"] == ["\n"] and params["max_tokens"] == 7
+    assert params["model_name"] == "smollm2-135m-instruct"
+    assert ChatEMLLM(preset="S")._identifying_params != ChatEMLLM(preset="SM")._identifying_params
+    assert llm._llm_type == "emllm-chat"
+
+
+def test_ls_params_report_the_model_and_a_per_call_override():
+    llm = ChatEMLLM(max_tokens=9, temperature=0.2, stop=["x"])
+    assert llm._get_ls_params() == {"ls_provider": "emllm", "ls_model_name": "smollm2-135m-instruct",
+                                    "ls_model_type": "chat", "ls_temperature": 0.2, "ls_max_tokens": 9,
+                                    "ls_stop": ["x"]}
+    assert llm._get_ls_params(model="qwen2.5-coder-0.5b-instruct")["ls_model_name"] == "qwen2.5-coder-0.5b-instruct"
+
+
+def test_call_options_override_the_instance_and_are_checked_before_any_work():
+    llm = ChatEMLLM(max_tokens=9, temperature=0.2, stop=["x"])
+    model, options = llm._call_options(None, {"temperature": 0.9, "seed": 4, "stream": True})
+    assert model is None
+    assert options == {"max_new_tokens": 9, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "seed": 4, "stop": ["x"]}
+    assert llm._call_options(["y"], {"model": "m"}) == ("m", {**options, "temperature": 0.2, "seed": None,
+                                                               "stop": ["y"]})
+    with pytest.raises(TypeError, match=r"Unknown call option\(s\) \['temprature'\]"):
+        llm._call_options(None, {"temprature": 0.5})
+    with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
+        llm._call_options(None, {"max_tokens": 0})
+
+
+def test_invoke_with_bad_input_fails_before_loading_weights():
+    before = sessions.loaded_engines()
+    llm = ChatEMLLM()
+    with pytest.raises(ValueError, match="message list is empty"):
+        llm.invoke([])
+    with pytest.raises(TypeError, match="Unknown call option"):
+        llm.invoke("hi", temprature=0.3)
+    assert sessions.loaded_engines() == before
