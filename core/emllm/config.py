@@ -12,6 +12,8 @@ by graph modularity or conductance, and retrieved per layer by k-NN over represe
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,6 +77,9 @@ class EMConfig:
     """On an accelerator, device memory for KV pages before they move to RAM. None = no limit."""
     offload_dir: str | None = None
     """Where disk pages go (a private temporary folder inside it, removed on close). None = system temp."""
+    disk_budget_mb: float | None = None
+    """Disk for one memory's offloaded pages; a page that would exceed it is refused before it is written, and a
+    read that cannot fit in RAM + disk is refused before it starts. None = no limit."""
     max_input_tokens: int | None = None
     """Refuse inputs longer than this before any work starts. None = no limit."""
 
@@ -102,6 +107,11 @@ class EMConfig:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "
                 "no event size satisfies both; lower min_block_size or raise max_block_size.")
+        if self.max_block_size < 2 * self.min_block_size - 1:
+            raise ConfigError(
+                f"max_block_size ({self.max_block_size}) must be at least 2 * min_block_size - 1 "
+                f"({2 * self.min_block_size - 1}): otherwise an event a little longer than max_block_size cannot be "
+                "cut into pieces of at least min_block_size; lower min_block_size or raise max_block_size.")
         if not isinstance(self.contiguity, (int, float)) or isinstance(self.contiguity, bool) \
                 or not 0.0 <= self.contiguity < 1.0:
             raise ConfigError(f"contiguity is a fraction of n_mem in [0, 1), got {self.contiguity!r}.")
@@ -110,16 +120,22 @@ class EMConfig:
                 f"max_block_size ({self.max_block_size}) exceeds the similarity buffer ({self.similarity_tokens} "
                 f"tokens: n_mem ({self.n_mem}) minus the contiguity share): a full-size event could never be "
                 "retrieved; raise n_mem, lower contiguity or lower max_block_size.")
-        if self.gamma != self.gamma:  # NaN
-            raise ConfigError("gamma must be a number, got NaN.")
-        if self.refine_layers is not None and any((not isinstance(i, int)) or i < 0 for i in self.refine_layers):
-            raise ConfigError(f"refine_layers must be non-negative layer indices, got {self.refine_layers!r}.")
-        for name in ("ram_budget_mb", "device_budget_mb"):
+        if not isinstance(self.gamma, (int, float)) or isinstance(self.gamma, bool) or not math.isfinite(self.gamma):
+            raise ConfigError(f"gamma must be a finite number, got {self.gamma!r}.")
+        if self.refine_layers is not None and (not isinstance(self.refine_layers, (tuple, list)) or any(
+                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.refine_layers)):
+            raise ConfigError(f"refine_layers must be a tuple of non-negative layer indices or None, "
+                              f"got {self.refine_layers!r}.")
+        if self.offload_dir is not None and not isinstance(self.offload_dir, (str, os.PathLike)):
+            raise ConfigError(f"offload_dir must be a folder path or None, got {self.offload_dir!r}.")
+        for name in ("ram_budget_mb", "device_budget_mb", "disk_budget_mb"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not value >= 0):
                 raise ConfigError(f"{name} must be a number >= 0 (MB) or None (no limit), got {value!r}.")
-        if self.max_input_tokens is not None and self.max_input_tokens < 1:
+        if self.max_input_tokens is not None and (not isinstance(self.max_input_tokens, int)
+                                                  or isinstance(self.max_input_tokens, bool)
+                                                  or self.max_input_tokens < 1):
             raise ConfigError(f"max_input_tokens must be >= 1 or None, got {self.max_input_tokens!r}.")
 
     def validate_for_model(self, max_positions: int, num_layers: int) -> None:

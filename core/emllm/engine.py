@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from . import attention
 from .config import ConfigError, EMConfig
-from .memory import EpisodicMemory, ModelShape, RetrievedEvent
+from .memory import EpisodicMemory, ModelShape, RetrievedEvent, _because
 from .rope import RotaryTable
 
 Message = dict[str, str]
@@ -154,7 +154,11 @@ class EMEngine:
     # ------------------------------------------------------------------ text <-> tokens
     def tokenize(self, text: str) -> list[int]:
         _check_text(text)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids:  # a tokenizer without a token for these characters drops them
+            raise ValueError(f"The text {text[:40]!r} gives no tokens: this model's tokenizer cannot represent its "
+                             "characters. Remove or replace them.")
+        return ids
 
     def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the model's chat template (consecutive same-role turns merged)."""
@@ -177,6 +181,10 @@ class EMEngine:
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenize(prompt)
+        _refuse_bytes(prompt)
+        if isinstance(prompt, dict) or not isinstance(prompt, Iterable):
+            raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
+                            f"got {type(prompt).__name__}.")
         prompt = list(prompt)
         if not prompt:
             raise ValueError("The prompt is empty: pass text, a non-empty list of messages, or token ids.")
@@ -196,9 +204,10 @@ class EMEngine:
         if isinstance(ids, str):
             ids = self.tokenize(ids)
         if memory.closed:
-            raise RuntimeError("This episodic memory was closed; start a new one with engine.new_memory().")
-        self._check_budget(memory, len(ids))
-        tokens = torch.tensor(list(ids), dtype=torch.long)
+            raise RuntimeError(f"This episodic memory was closed{_because(memory.closed_reason)}; start a new one "
+                               "with engine.new_memory().")
+        tokens = self._check_ids(ids)
+        self._check_budget(memory, len(tokens))
         chunk = memory.config.chunk_size
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:
@@ -209,23 +218,53 @@ class EMEngine:
                 bar.set_postfix(events=memory.num_events, refresh=False)
         return len(tokens)
 
+    def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
+        """Token ids as a tensor, refusing (before any work) what the model cannot read: a wrong id would raise
+        inside the model part-way through a read, or (a float, a bool) be silently read as another token."""
+        _refuse_bytes(ids)
+        if isinstance(ids, dict) or not isinstance(ids, Iterable):
+            raise TypeError(f"Expected text (str) or a list of token ids, got {type(ids).__name__}.")
+        ids = list(ids)
+        for position, token in enumerate(ids):
+            if not isinstance(token, int) or isinstance(token, bool):
+                raise TypeError(f"Token ids are integers; position {position} holds {token!r} "
+                                f"({type(token).__name__}).")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        outside = [i for i, token in enumerate(ids) if not 0 <= token < vocab]
+        if outside:
+            raise ValueError(f"Token id {ids[outside[0]]} at position {outside[0]} ({len(outside)} such ids) is "
+                             f"outside this model's vocabulary [0, {vocab}): use ids from this model's tokenizer.")
+        return torch.tensor(ids, dtype=torch.long)
+
     def _check_budget(self, memory: EpisodicMemory, n: int) -> None:
         limit = memory.config.max_input_tokens
         if limit is not None and memory.total_tokens + n > limit:
             raise ValueError(f"Reading {n} more tokens would bring this memory to {memory.total_tokens + n} tokens, "
                              f"over max_input_tokens={limit}. Raise max_input_tokens or shorten the input.")
+        if memory.config.attention == "episodic" and memory.config.disk_budget_mb is not None:
+            # At most max_position() tokens stay in the window, so at least the rest is evicted into sealed pages;
+            # those beyond the RAM (and device) budgets must go to disk.
+            evicted = memory.total_tokens + n - memory.config.max_position()
+            sealed = max(0, evicted) // memory.store.page_tokens
+            memory.store.check_disk_budget(memory.store.pages_beyond_memory(sealed))
 
     def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool) -> torch.Tensor:
         memory.retrieve_now = retrieve
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
         keep = 0 if memory.track_surprise else 1
-        with torch.inference_mode():
-            out = self.model(input_ids=ids[None].to(self.input_device), emllm_memory=memory, use_cache=False,
-                             logits_to_keep=keep)
-            logits = out.logits[0]  # [q or 1, vocab]
-            memory.observe(ids, logits)
-            memory.evict()
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids[None].to(self.input_device), emllm_memory=memory, use_cache=False,
+                                 logits_to_keep=keep)
+                logits = out.logits[0]  # [q or 1, vocab]
+                memory.observe(ids, logits)
+                memory.evict()
+        except BaseException as error:
+            # The layers may have taken the chunk's keys and some of its events, the rest not: such a memory would
+            # answer from a state no input produces, so it is closed rather than left half-updated.
+            memory.close(f"a forward pass failed part-way with {type(error).__name__}: {error}")
+            raise
         return logits
 
     # ------------------------------------------------------------------ generating
@@ -364,6 +403,7 @@ def normalize_messages(messages: Sequence[Message], merge: bool = True) -> list[
         role, content = message["role"], message["content"]
         if not isinstance(content, str):
             raise TypeError(f"Message content must be text, got {type(content).__name__} for role {role!r}.")
+        _check_encodable(content)
         if role not in ("system", "user", "assistant"):
             raise ValueError(f"Unknown message role {role!r}; use 'system', 'user' or 'assistant'.")
         if merge and merged and merged[-1]["role"] == role:
@@ -391,10 +431,28 @@ def _end_of_turn_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 
 
 def _check_text(text: Any) -> None:
+    _refuse_bytes(text)
     if not isinstance(text, str):
         raise TypeError(f"Expected text (str), got {type(text).__name__}.")
     if not text.strip():
         raise ValueError("The input text is empty or only whitespace: give the model something to read.")
+    _check_encodable(text)
+
+
+def _check_encodable(text: str) -> None:
+    """A lone surrogate (e.g. from decoding with errors='surrogateescape') is not text any tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"The text holds {text[error.start]!r} at index {error.start}, a lone surrogate that is not "
+                         "valid Unicode: decode the source bytes with errors='replace' (or remove it).") from None
+
+
+def _refuse_bytes(value: Any) -> None:
+    """Bytes iterate as small integers, so they would be read as token ids: refuse them with the fix."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"Got {type(value).__name__}, not text or token ids: decode it first, e.g. "
+                        "data.decode('utf-8', errors='replace').")
 
 
 def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:

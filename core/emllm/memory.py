@@ -198,7 +198,7 @@ class EpisodicMemory:
         self.store = PageStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
                                page_tokens=config.page_tokens, device=store_device,
                                device_budget_mb=config.device_budget_mb, ram_budget_mb=config.ram_budget_mb,
-                               offload_dir=config.offload_dir)
+                               offload_dir=config.offload_dir, disk_budget_mb=config.disk_budget_mb)
         self.token_ids: list[int] = []
         self.surprise = torch.empty(0, dtype=torch.float32)     # [total] (NaN for the first token)
         self.boundary_flags = torch.empty(0, dtype=torch.bool)  # [total] surprise above threshold
@@ -213,6 +213,7 @@ class EpisodicMemory:
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
         self.on_fork = None  # set by the engine so forks are closed with it
         self.closed = False
+        self.closed_reason = ""
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -240,8 +241,9 @@ class EpisodicMemory:
             predicted[0] = segmentation.token_surprise(self.last_logits[None], ids[:1].to(logits.device))[0].cpu()
         if ids.shape[0] > 1 and logits.shape[0] == ids.shape[0]:
             predicted[1:] = segmentation.token_surprise(logits[:-1], ids[1:].to(logits.device)).cpu()
-        flags = segmentation.surprise_boundary_flags(self.surprise[-self.config.surprise_window:], predicted,
-                                                     self.config.gamma, self.config.surprise_window)
+        tau = self.config.surprise_window
+        flags = segmentation.surprise_boundary_flags(self.surprise[-tau:], predicted, self.config.gamma, tau,
+                                                     min_history=min(8, tau))  # a window under 8 trusts all it has
         self.surprise = torch.cat([self.surprise, predicted])
         self.boundary_flags = torch.cat([self.boundary_flags, flags.cpu()])
         self.token_ids.extend(ids.tolist())
@@ -304,7 +306,7 @@ class EpisodicMemory:
         other. Evicted pages are shared (they are immutable), so a fork costs a copy of the local windows and
         indexes, not of the evicted KV: a document read once can be questioned many times."""
         if self.closed:
-            raise RuntimeError("This episodic memory was closed; it cannot be forked.")
+            raise RuntimeError(f"This episodic memory was closed{_because(self.closed_reason)}; it cannot be forked.")
         child = copy.copy(self)
         child.layers = [layer.fork() for layer in self.layers]
         child.store = self.store.fork()
@@ -344,7 +346,13 @@ class EpisodicMemory:
         """Absolute start positions of all events formed so far (sinks start at 0 and are not an event)."""
         return self.event_starts + self.config.n_init
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
+        """Free the memory; ``reason`` (e.g. a forward pass that failed part-way) is shown to later callers."""
         self.store.close()
         self.layers = []
         self.closed = True
+        self.closed_reason = reason
+
+
+def _because(reason: str) -> str:
+    return f" ({reason})" if reason else ""

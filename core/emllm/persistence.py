@@ -61,7 +61,8 @@ KV_FILE = "kv.safetensors"
 
 #: Config fields that say where a memory's pages live and how much may be read, not what it is: a loaded memory
 #: takes them from the loading side (its machine, its disks), everything else from the save.
-PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "offload_dir", "max_input_tokens")
+PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
+                    "max_input_tokens")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "bool": torch.bool}
@@ -383,10 +384,10 @@ def load_memory(path: str | os.PathLike, engine: "EMEngine", *, config: EMConfig
     """Load a memory saved by save_memory into a new memory of ``engine``; it answers exactly as the saved one.
 
     The saved config is restored; only the placement fields (page_tokens, ram_budget_mb, device_budget_mb,
-    offload_dir, max_input_tokens) come from ``config`` (default: the engine's), so evicted pages go to this
-    machine's RAM within its budget and the rest to its disk. A ``config`` whose other fields differ from the saved
-    ones is refused. Raises MemoryFileError if anything is missing, damaged, foreign or incompatible; then no memory
-    is returned and nothing is left behind.
+    disk_budget_mb, offload_dir, max_input_tokens) come from ``config`` (default: the engine's), so evicted pages go
+    to this machine's RAM within its budget and the rest to its disk. A ``config`` whose other fields differ from
+    the saved ones is refused. Raises MemoryFileError if anything is missing, damaged, foreign or incompatible; then
+    no memory is returned and nothing is left behind.
     """
     target = Path(path).absolute()
     _tidy_siblings(target)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import EMConfig
-from .engine import EMEngine, Prompt, TextStream
+from .engine import EMEngine, Prompt, TextStream, _check_sampling
 from .memory import EpisodicMemory
 
 _ENGINES: dict[tuple, EMEngine] = {}
@@ -123,6 +123,8 @@ class MemoryPool:
         After the prompt is read, a fork is kept (the conversation's next turn extends this prompt); after the
         answer, the generating memory is kept too (the next turn may extend prompt + answer token for token).
         """
+        _check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
+                        sampling.get("top_p", 1.0), sampling.get("top_k", 0))  # before any reading, not after
         ids = self.engine.prompt_ids(prompt)
         holder: dict = {}
         return TextStream(self._run(ids, progress, sampling, holder), holder)

@@ -18,6 +18,7 @@ disk files) and copies only the page being filled. A disk folder lives while any
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import shutil
 import tempfile
@@ -59,7 +60,7 @@ class PageStore:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, *,
                  page_tokens: int = 1024, device: torch.device | str = "cpu",
                  device_budget_mb: float | None = None, ram_budget_mb: float | None = None,
-                 offload_dir: str | None = None) -> None:
+                 offload_dir: str | None = None, disk_budget_mb: float | None = None) -> None:
         if dtype not in _NUMPY_VIEW:
             raise TypeError(f"KV dtype {dtype} is not supported for storage; use float32, bfloat16 or float16.")
         self.page_shape = (num_layers, 2, page_tokens, num_kv_heads, head_dim)
@@ -72,7 +73,7 @@ class PageStore:
         if device.type != "cpu":
             self.tiers.append(_Tier(device, budget(device_budget_mb), OrderedDict()))
         self.tiers.append(_Tier(torch.device("cpu"), budget(ram_budget_mb), OrderedDict()))
-        self.disk = _Tier(None, float("inf"), OrderedDict())
+        self.disk = _Tier(None, budget(disk_budget_mb), OrderedDict())
         self._offload_root = offload_dir
         self._folder: _Folder | None = None          # where this store writes pages
         self._disk_files: dict[int, tuple[_Folder, str]] = {}  # page id -> (folder kept alive, path)
@@ -180,6 +181,7 @@ class PageStore:
         sparse file would instead kill the process with SIGBUS when the disk fills)."""
         if page_id in self.disk.pages:  # pages are immutable once sealed: the disk copy is still valid
             return
+        self.check_disk_budget(len(self.disk.pages) + 1)
         folder = self._own_folder()
         path = os.path.join(folder.path, f"page-{page_id:08d}.npy")
         torch_view, _ = _NUMPY_VIEW[self.dtype]
@@ -202,6 +204,19 @@ class PageStore:
                 "larger disk, or raise ram_budget_mb.") from error
         self.disk.pages[page_id] = torch.empty(0)  # a marker; the data is on disk
         self._disk_files[page_id] = (folder, path)
+
+    def check_disk_budget(self, disk_pages: int) -> None:
+        """Refuse, before anything is written, a state with ``disk_pages`` pages on disk over disk_budget_mb."""
+        if disk_pages * self.page_bytes > self.disk.budget_bytes:
+            raise StorageFullError(
+                errno.EDQUOT, f"{disk_pages} KV pages of {self.page_bytes / 2**20:.3f} MB on disk would exceed "
+                f"disk_budget_mb={self.disk.budget_bytes / 2**20:g} for this memory. Raise disk_budget_mb or "
+                "ram_budget_mb, or read less.")
+
+    def pages_beyond_memory(self, sealed_pages: int) -> int:
+        """How many of ``sealed_pages`` cannot fit in the device and RAM budgets, so must be on disk."""
+        fit = sum(t.budget_bytes for t in self.tiers) / self.page_bytes
+        return 0 if fit == float("inf") else max(0, sealed_pages - int(fit))
 
     def _read_disk(self, page_id: int) -> torch.Tensor:
         array = np.load(self._disk_files[page_id][1], mmap_mode="r")
@@ -240,7 +255,7 @@ class PageStore:
         self._check_open()
         child = copy.copy(self)
         child.tiers = [_Tier(t.device, t.budget_bytes, OrderedDict(t.pages), t.used_bytes) for t in self.tiers]
-        child.disk = _Tier(None, float("inf"), OrderedDict(self.disk.pages))
+        child.disk = _Tier(None, self.disk.budget_bytes, OrderedDict(self.disk.pages))
         child._disk_files = dict(self._disk_files)
         child._folder = None  # the child writes its own files; it keeps the parent's folder alive via _disk_files
         child._tail = None if self._tail is None else self._tail.clone()

@@ -166,8 +166,12 @@ def test_min_block_larger_than_max_block_names_both_and_the_fix():
     assert "lower" in message or "raise" in message
 
 
-def test_equal_min_and_max_block_is_allowed():
-    assert EMConfig(min_block_size=32, max_block_size=32).max_block_size == 32
+def test_max_block_must_fit_two_minimum_events():
+    # Cutting a region into events of at least min tokens needs max >= 2 * min - 1; min == max crashed every read
+    # at the first eviction before validation caught it (found by the fuzz tests).
+    with pytest.raises(ConfigError, match="max_block_size"):
+        EMConfig(min_block_size=32, max_block_size=32)
+    assert EMConfig(min_block_size=32, max_block_size=63).max_block_size == 63
 
 
 def test_max_block_larger_than_n_mem():
