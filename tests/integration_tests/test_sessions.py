@@ -15,8 +15,8 @@ from emllm.tasks import passkey_document
 
 from .conftest import SMALL, make_engine
 
-# Small pages and a 12 MB RAM budget (8 pages): most evicted pages go to disk, so sharing disk files between forks is tested.
-OFFLOAD = dict(page_tokens=128, ram_budget_mb=12)
+# Small pages and a 24 MB RAM budget (16 pages): the older evicted pages go to disk, so sharing disk files between forks is tested.
+OFFLOAD = dict(page_tokens=128, ram_budget_mb=24)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,509 @@
+"""LlamaIndex adapters: ``EMLLM`` (an LLM whose attention has an episodic memory) and ``EMLLMQueryEngine`` (every
+document read into that memory once; questions answered by retrieval inside attention instead of chunk retrieval).
+
+    Settings.llm = EMLLM(preset="SM", max_tokens=128)            # no weights are loaded until the first call
+    engine = EMLLMQueryEngine.from_documents(documents, preset="S", progress=True)   # reads everything once
+    response = engine.query("Who wrote the letter?")            # reads only the question's tokens
+    response.source_nodes                                       # documents the retrieved events came from
+
+Both share one loaded model per (model, dtype, device) through ``emllm.sessions.shared_engine``. EMLLM keeps one
+MemoryPool per (model, config), so a follow-up call whose prompt extends an earlier one reads only the new tokens;
+the query engine owns its pool, whose pinned checkpoint is the documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from bisect import bisect_left, bisect_right
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Dict, List, Optional, Tuple
+
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
+                                              CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
+                                              LLMMetadata, MessageRole, TextBlock)
+from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.query_engine import CustomQueryEngine
+from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore
+
+from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, RetrievedEvent, TextStream
+from emllm.engine import _check_sampling
+from emllm.sessions import shared_engine
+
+from .prompts import DOCUMENT_SEPARATOR, format_context, qa_suffix
+
+DEFAULT_CONTEXT_WINDOW = 1 << 20
+"""What EMLLM reports as its context window when ``max_input_tokens`` is not set. The episodic memory has no fixed
+limit (evicted tokens go to RAM, then disk), so any finite number is a policy: 1M tokens is large enough that
+LlamaIndex's response synthesizers never truncate or split a context, which is the point of the memory."""
+
+CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
+"""Settings a single call may override by keyword (``llm.complete(prompt, max_tokens=32)``)."""
+
+_ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
+          MessageRole.ASSISTANT: "assistant", MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant"}
+
+_POOLS: dict[tuple[int, EMConfig], MemoryPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------- shared pieces
+def shared_pool(engine: EMEngine, config: EMConfig) -> MemoryPool:
+    """The one MemoryPool for this engine and config in this process, so every EMLLM with the same settings
+    reuses the same checkpoints (a chat engine builds a new prompt per turn; each extends the last)."""
+    key = (id(engine), config)  # engines from shared_engine live for the whole process, so id() is stable
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = MemoryPool(engine, config)
+        return pool
+
+
+def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+                     stop: Sequence[str] | None) -> dict[str, Any]:
+    """Validated keyword arguments for MemoryPool.stream: checked here so a bad value fails before any reading."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer (how many tokens to generate), got {max_tokens!r}.")
+    _check_sampling(max_tokens, temperature, top_p, top_k)
+    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) for s in stop)):
+        raise TypeError(f"stop must be a list of strings, got {stop!r}.")
+    return dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                stop=list(stop) if stop else None)
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """Token counts and timings in the names LlamaIndex's token counter looks for (prompt_/completion_tokens)."""
+    return {"prompt_tokens": result.input_tokens, "completion_tokens": result.output_tokens,
+            "total_tokens": result.input_tokens + result.output_tokens,
+            "new_input_tokens": result.new_input_tokens, "finish_reason": result.finish_reason,
+            "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds}
+
+
+def deltas_with_result(stream: TextStream) -> Iterator[tuple[str, GenerationResult | None]]:
+    """(delta, None) for every delta but the last, which comes with the GenerationResult, so a streamed response
+    ends with its token counts without an extra empty chunk. Stopping early closes the stream (its memory)."""
+    iterator = iter(stream)
+    try:
+        pending: str | None = None
+        for delta in iterator:
+            if pending is not None:
+                yield pending, None
+            pending = delta
+        yield pending or "", stream.result
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
+
+
+async def iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
+    """Run a blocking iterator in its own thread and hand its items to the event loop through a queue, so the
+    loop keeps serving other tasks while the model reads and generates. ``make`` is called in that thread too
+    (the first call may load the weights). If the consumer stops early, the thread stops at the next item and
+    closes the iterator there."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def put(item: tuple[str, Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            cancelled.set()
+
+    def work() -> None:
+        iterator = None
+        try:
+            iterator = iter(make())
+            for item in iterator:
+                if cancelled.is_set():
+                    break
+                put(("item", item))
+            put(("done", None))
+        except BaseException as error:  # handed to the consumer, re-raised there
+            put(("error", error))
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    context = contextvars.copy_context()  # instrumentation spans and callbacks see the caller's context
+    threading.Thread(target=context.run, args=(work,), name="emllm-stream", daemon=True).start()
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise value
+            yield value
+    finally:
+        cancelled.set()
+
+
+# ---------------------------------------------------------------------- the LLM
+class EMLLM(CustomLLM):
+    """A LlamaIndex LLM on the emllm engine: a Hugging Face causal LM whose attention has an episodic memory, so
+    it reads prompts far beyond its trained context. Chat renders the model's chat template; complete reads raw
+    text. Use it as ``Settings.llm`` in any query or chat engine."""
+
+    model: Optional[str] = Field(default=None, description="Embedded model name or local HF dir; None = default.")
+    preset: str = Field(default="SM", description="EM-LLM preset: S, SM, SC, S+C, SM+C, F, FM, FC or full.")
+    temperature: float = Field(default=0.0, description="0 = greedy.")
+    max_tokens: int = Field(default=256, description="Tokens to generate per call (LLMMetadata.num_output).")
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Optional[List[str]] = None
+    dtype: Any = Field(default="auto", description="'auto' (bf16 where fast), 'float32', 'bfloat16', ...")
+    device: Optional[str] = None
+    progress: bool = Field(default=False, description="Show progress bars while loading and reading.")
+    engine_fields: Dict[str, Any] = Field(default_factory=dict, description="EMConfig overrides, by field name.")
+
+    _config: EMConfig = PrivateAttr()
+    _pool: Optional[MemoryPool] = PrivateAttr(default=None)
+
+    def __init__(self, model: str | None = None, preset: str = "SM", temperature: float = 0.0,
+                 max_tokens: int = 256, **kwargs: Any):
+        """Keywords that are fields of this LLM (top_p, dtype, system_prompt, callback_manager, ...) set them; any
+        other keyword is an EMConfig field (n_local=1024, ...). Nothing is loaded until the first call."""
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in EMLLM.model_fields}
+        fields = {**own.pop("engine_fields", {}), **kwargs}
+        config = EMConfig.from_preset(preset, **fields)  # ConfigError names an unknown preset or field
+        sampling_options(max_tokens, temperature, own.get("top_p", 1.0), own.get("top_k", 0), own.get("seed"),
+                         own.get("stop"))
+        super().__init__(model=None if model is None else str(model), preset=preset, temperature=temperature,
+                         max_tokens=max_tokens, engine_fields=fields, **own)
+        self._config = config
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EMLLM"
+
+    @property
+    def config(self) -> EMConfig:
+        return self._config
+
+    @property
+    def pool(self) -> MemoryPool:
+        """The shared MemoryPool (loads the model on first use)."""
+        if self._pool is None:
+            engine = shared_engine(self.model, dtype=self.dtype, device=self.device, progress=self.progress)
+            self._pool = shared_pool(engine, self._config)
+        return self._pool
+
+    @property
+    def context_window(self) -> int:
+        """Prompt + answer tokens one call may use. Full attention is bound by the model's trained context (which
+        needs the model's config, so it loads the model); episodic memory by max_input_tokens if set."""
+        if self._config.attention == "full":
+            return self.pool.engine.shape.max_positions
+        if self._config.max_input_tokens is not None:
+            return self._config.max_input_tokens + self.max_tokens
+        return DEFAULT_CONTEXT_WINDOW
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self.context_window, num_output=self.max_tokens, is_chat_model=True,
+                           model_name=self.model or DEFAULT_MODEL)
+
+    def _options(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(overrides) - set(CALL_OPTIONS))
+        if unknown:
+            raise TypeError(f"EMLLM got unknown keyword argument(s) {unknown}; a call may override only "
+                            f"{', '.join(CALL_OPTIONS)}.")
+        values = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
+        return {**sampling_options(**values), "progress": self.progress}
+
+    # ------------------------------------------------------------------ completion (raw text)
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        options = self._options(kwargs)
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        return _completion(self.pool.generate(text, **options))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        options = self._options(kwargs)
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        stream = self.pool.stream(text, **options)
+
+        def gen() -> CompletionResponseGen:
+            so_far = ""
+            for delta, result in deltas_with_result(stream):
+                so_far += delta
+                yield _completion(result, text=so_far, delta=delta)
+        return gen()
+
+    # ------------------------------------------------------------------ chat (the model's chat template)
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        options = self._options(kwargs)
+        return _chat(self.pool.generate(to_engine_messages(messages), **options))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        options = self._options(kwargs)
+        stream = self.pool.stream(to_engine_messages(messages), **options)
+
+        def gen() -> ChatResponseGen:
+            so_far = ""
+            for delta, result in deltas_with_result(stream):
+                so_far += delta
+                yield _chat(result, text=so_far, delta=delta)
+        return gen()
+
+    # ------------------------------------------------------------------ async: the work runs in a thread
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        self._options(kwargs)
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        self._options(kwargs)
+        return iterate_in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        self._options(kwargs)
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        self._options(kwargs)
+        return iterate_in_thread(lambda: self.stream_chat(messages, **kwargs))
+
+
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """LlamaIndex ChatMessages as the engine's {'role', 'content'} dicts; non-text content is refused, not dropped."""
+    converted = []
+    for message in messages:
+        role = _ROLES.get(message.role)
+        if role is None:
+            raise ValueError(f"EMLLM cannot take a {message.role.value!r} message: it has no tool or function "
+                             "calling. Put the tool's output into a user message instead.")
+        others = sorted({type(block).__name__ for block in message.blocks if not isinstance(block, TextBlock)})
+        if others:
+            raise ValueError(f"EMLLM reads text only, but a {role} message holds {', '.join(others)}. "
+                             "Pass the content as text (e.g. a transcript or description of the media).")
+        converted.append({"role": role, "content": message.content or ""})
+    return converted
+
+
+def _completion(result: GenerationResult | None, text: str | None = None,
+                delta: str | None = None) -> CompletionResponse:
+    if result is None:
+        return CompletionResponse(text=text or "", delta=delta)
+    counts = usage(result)
+    return CompletionResponse(text=result.text if text is None else text, delta=delta, additional_kwargs=counts,
+                              raw={"usage": counts, "generation": result})
+
+
+def _chat(result: GenerationResult | None, text: str | None = None, delta: str | None = None) -> ChatResponse:
+    completion = _completion(result, text, delta)
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=completion.text), delta=delta,
+                        additional_kwargs=completion.additional_kwargs, raw=completion.raw)
+
+
+# ---------------------------------------------------------------------- documents -> token spans
+def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = MetadataMode.NONE) -> list[str]:
+    """Each node's text, refusing what cannot be read: no nodes, non-nodes, images, empty text."""
+    if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Sequence):
+        raise TypeError(f"Pass a list of LlamaIndex documents or nodes, got {type(nodes).__name__}.")
+    if not nodes:
+        raise ValueError("No documents were given: pass at least one Document(text=...) to read into memory.")
+    texts = []
+    for i, node in enumerate(nodes):
+        if not isinstance(node, BaseNode):
+            raise TypeError(f"Item {i} is a {type(node).__name__}, not a LlamaIndex document or node; wrap text "
+                            "as Document(text=...).")
+        text = node.get_content(metadata_mode=metadata_mode)
+        if not isinstance(text, str) or not text.strip():
+            media = isinstance(node, ImageNode) or any(getattr(node, name, None) is not None for name in
+                                                       ("image_resource", "audio_resource", "video_resource"))
+            kind = "an image/media document without text" if media else "empty (no text)"
+            raise ValueError(f"Document {i} (id {node.node_id!r}) is {kind}; EMLLM reads text only. Remove it, "
+                             "or give it text (e.g. a caption or transcript).")
+        texts.append(text)
+    return texts
+
+
+def tokenize_documents(engine: EMEngine, texts: Sequence[str]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of the joined context (exactly ``engine.tokenize(format_context(texts))``) and each document's
+    token span [start, end) in it. Spans come from the tokenizer's character offsets; the separator after a
+    document counts as that document's, so the spans tile the context."""
+    context = format_context(texts)
+    char_starts, position = [], 0
+    for text in texts:
+        char_starts.append(position)
+        position += len(text) + len(DOCUMENT_SEPARATOR)
+    if getattr(engine.tokenizer, "is_fast", False):
+        encoded = engine.tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoded["input_ids"]), spans_from_offsets(char_starts, [end for _, end in
+                                                                            encoded["offset_mapping"]])
+    # A slow tokenizer has no offsets: count the tokens of each growing prefix instead (a token merged across a
+    # separator may be credited to the neighbouring document).
+    ids = engine.tokenize(context)
+    ends = [engine.count_tokens(format_context(texts[:i + 1])) for i in range(len(texts) - 1)] + [len(ids)]
+    return ids, list(zip([0] + ends[:-1], ends))
+
+
+def spans_from_offsets(char_starts: Sequence[int], token_ends: Sequence[int]) -> list[tuple[int, int]]:
+    """Each document's token span, a token belonging to the document that holds its last character."""
+    owners = [bisect_right(char_starts, max(end - 1, 0)) - 1 for end in token_ends]
+    return [(bisect_left(owners, d), bisect_right(owners, d)) for d in range(len(char_starts))]
+
+
+def document_shares(spans: Sequence[tuple[int, int]], events: Sequence[RetrievedEvent]) -> list[float]:
+    """Per document, its share of what episodic retrieval brought into attention: retrieved tokens inside its
+    span, weighted by how many layers retrieved them, over the total (0 for all if nothing was retrieved)."""
+    weights = [0.0] * len(spans)
+    starts = [start for start, _ in spans]
+    for event in events:
+        d = max(bisect_right(starts, event.start) - 1, 0)
+        while d < len(spans) and spans[d][0] < event.end:
+            overlap = min(spans[d][1], event.end) - max(spans[d][0], event.start)
+            if overlap > 0:
+                weights[d] += overlap * event.layers
+            d += 1
+    total = sum(weights)
+    return [w / total if total else 0.0 for w in weights]
+
+
+# ---------------------------------------------------------------------- the query engine
+class EMLLMQueryEngine(CustomQueryEngine):
+    """Reads every document into one episodic memory once, then answers each question from that memory: the
+    prompt is the documents' tokens followed by the question, so only the question is read per query, and the
+    model retrieves the relevant events inside its attention. ``source_nodes`` are the documents those events
+    came from. Build it with ``from_documents`` or ``from_nodes``."""
+
+    nodes: List[BaseNode] = Field(description="The documents, in the order they were read.")
+    spans: List[Tuple[int, int]] = Field(description="Each document's token span [start, end) in the context.")
+    model: str = DEFAULT_MODEL
+    streaming: bool = False
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Optional[List[str]] = None
+    progress: bool = False
+
+    _pool: MemoryPool = PrivateAttr()
+    _context_ids: list[int] = PrivateAttr()
+
+    def __init__(self, *, pool: MemoryPool, context_ids: list[int], **fields: Any):
+        """Use from_documents / from_nodes: they read the documents into ``pool`` first."""
+        super().__init__(**fields)
+        self._pool, self._context_ids = pool, context_ids
+
+    @classmethod
+    def from_documents(cls, documents: Sequence[BaseNode], model: str | None = None, preset: str = "SM",
+                       **kwargs: Any) -> "EMLLMQueryEngine":
+        """Whole documents, not chunks: the memory, not a retriever, decides what is relevant."""
+        return cls.from_nodes(documents, model=model, preset=preset, **kwargs)
+
+    @classmethod
+    def from_nodes(cls, nodes: Sequence[BaseNode], model: str | None = None, preset: str = "SM", *,
+                   max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                   seed: int | None = None, stop: Sequence[str] | None = None, streaming: bool = False,
+                   progress: bool = False, dtype: Any = "auto", device: str | None = None,
+                   metadata_mode: MetadataMode = MetadataMode.NONE, **engine_fields: Any) -> "EMLLMQueryEngine":
+        """Read the nodes (in order) into a new episodic memory; ``engine_fields`` are EMConfig fields.
+
+        Everything is validated before the model loads; then the reading takes a while (a few hundred tokens/s on
+        a CPU; ``progress=True`` shows a bar)."""
+        texts = node_texts(nodes, metadata_mode)
+        config = EMConfig.from_preset(preset, **engine_fields)
+        sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
+        engine = shared_engine(model, dtype=dtype, device=device, progress=progress)
+        # Queries rarely extend each other, so few automatic checkpoints are kept; the documents stay pinned.
+        pool = MemoryPool(engine, config, max_memories=2)
+        context_ids, spans = tokenize_documents(engine, texts)
+        try:
+            pool.read(context_ids, progress=progress)
+        except BaseException:
+            pool.close()
+            raise
+        return cls(pool=pool, context_ids=context_ids, nodes=list(nodes), spans=spans,
+                   model=str(model or DEFAULT_MODEL), streaming=streaming, max_tokens=max_tokens,
+                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                   stop=list(stop) if stop else None, progress=progress)
+
+    @property
+    def pool(self) -> MemoryPool:
+        return self._pool
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self._context_ids)
+
+    def question_ids(self, question: str) -> list[int]:
+        """The question's tokens, tokenised on their own so the documents' tokens stay a prefix of every prompt."""
+        return self._pool.engine.tokenize(qa_suffix(question))
+
+    def _start(self, question: str) -> tuple[TextStream, int]:
+        options = sampling_options(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, self.stop)
+        suffix = self.question_ids(question)
+        return self._pool.stream(self._context_ids + suffix, progress=self.progress, **options), len(suffix)
+
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        stream, question_tokens = self._start(query_str)
+        if self.streaming:
+            sources: list[NodeWithScore] = []
+            metadata: dict[str, Any] = {}
+            return StreamingResponse(response_gen=self._stream_into(stream, question_tokens, sources, metadata),
+                                     source_nodes=sources, metadata=metadata)
+        for _ in stream:
+            pass
+        sources, metadata = self._describe(stream.result, question_tokens)
+        return Response(stream.result.text, source_nodes=sources, metadata=metadata)
+
+    async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
+        """Like custom_query, with the reading and generating in a worker thread (the event loop stays free)."""
+        if not self.streaming:
+            return await asyncio.to_thread(self.custom_query, query_str)
+        self.question_ids(query_str)  # a bad question fails here, not at the first delta
+        sources: list[NodeWithScore] = []
+        metadata: dict[str, Any] = {}
+
+        def start() -> Iterator[str]:
+            stream, question_tokens = self._start(query_str)
+            return self._stream_into(stream, question_tokens, sources, metadata)
+        return AsyncStreamingResponse(response_gen=iterate_in_thread(start), source_nodes=sources, metadata=metadata)
+
+    def _stream_into(self, stream: TextStream, question_tokens: int, sources: list[NodeWithScore],
+                     metadata: dict[str, Any]) -> Iterator[str]:
+        """Yield the answer's deltas; once it is complete, fill the response's ``sources`` and ``metadata`` in place
+        (they are known only once the answer began, so a streaming response has them when the stream is done)."""
+        for delta, result in deltas_with_result(stream):
+            if delta:
+                yield delta
+            if result is not None:
+                found, described = self._describe(result, question_tokens)
+                sources.extend(found)
+                metadata.update(described)
+
+    def _describe(self, result: GenerationResult, question_tokens: int) -> tuple[list[NodeWithScore], dict]:
+        shares = document_shares(self.spans, result.retrieved_events)
+        order = sorted((d for d, share in enumerate(shares) if share > 0), key=lambda d: -shares[d])
+        sources = [NodeWithScore(node=self.nodes[d], score=shares[d]) for d in order]
+        # retrieved_spans: the exact passages in attention ([start, end) token positions in the prompt, with the
+        # number of layers, out of num_layers, that retrieved each), for finer attribution than whole documents.
+        metadata = {**usage(result), "model": self.model, "context_tokens": len(self._context_ids),
+                    "question_tokens": question_tokens, "retrieved_events": len(result.retrieved_events),
+                    "document_shares": {self.nodes[d].node_id: shares[d] for d in order},
+                    "retrieved_spans": [(e.start, e.end, e.layers) for e in result.retrieved_events],
+                    "num_layers": self._pool.engine.shape.num_layers}
+        return sources, metadata
+
+    def close(self) -> None:
+        """Free the documents' memory (its disk pages are removed); the engine stays loaded for others."""
+        self._pool.close()
+

@@ -1,0 +1,264 @@
+"""EMLLM and EMLLMQueryEngine without model weights: settings, validation, message and document handling, the
+document-to-token-span bookkeeping, source scoring and the thread-to-event-loop streaming. Every test here would
+load a model if the code under test tried to (the model is a path that does not exist), so "fails before loading"
+is checked for real, and ``loaded_engines()`` confirms no weights were read."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+
+import pytest
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from llama_index.core.schema import Document, ImageDocument, MetadataMode, TextNode
+
+from emllm import ConfigError, GenerationResult, RetrievedEvent, TextStream
+from emllm.sessions import loaded_engines
+from emllm_integrations.llama_index import (DEFAULT_CONTEXT_WINDOW, EMLLM, EMLLMQueryEngine, deltas_with_result,
+                                            document_shares, iterate_in_thread, node_texts, spans_from_offsets,
+                                            to_engine_messages)
+
+MISSING = "/nonexistent/emllm-test-model"  # loading this would raise "Unknown model"
+PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+                                     "1f15c4890000000d49444154789c6360000002000100e221bc330000000049454e44ae426082"))
+
+
+# ---------------------------------------------------------------------- EMLLM settings
+def test_constructing_loads_no_weights_and_first_call_does():
+    before = loaded_engines()
+    llm = EMLLM(model=MISSING, preset="S", max_tokens=32, n_local=1024)
+    assert llm.metadata.num_output == 32  # metadata of an episodic preset needs no weights either
+    assert loaded_engines() == before
+    with pytest.raises(ValueError, match="Unknown model"):
+        llm.complete("hello")
+
+
+def test_metadata_is_honest():
+    llm = EMLLM(model=MISSING, max_tokens=64)
+    meta = llm.metadata
+    assert meta.is_chat_model and meta.num_output == 64 and meta.model_name == MISSING
+    assert meta.context_window == DEFAULT_CONTEXT_WINDOW >= 1_000_000
+    assert EMLLM().metadata.model_name == "smollm2-135m-instruct"
+    # A declared input limit becomes the window: prompt budget = context_window - num_output = max_input_tokens.
+    limited = EMLLM(model=MISSING, max_tokens=10, max_input_tokens=5000).metadata
+    assert limited.context_window - limited.num_output == 5000
+
+
+def test_keywords_go_to_the_llm_or_the_engine_config():
+    llm = EMLLM(model=MISSING, preset="S+C", top_p=0.9, stop=["\n"], system_prompt="Be brief.", n_local=1024,
+                engine_fields={"n_mem": 1024})
+    assert (llm.top_p, llm.stop, llm.system_prompt) == (0.9, ["\n"], "Be brief.")
+    assert llm.engine_fields == {"n_local": 1024, "n_mem": 1024}
+    assert (llm.config.n_local, llm.config.n_mem, llm.config.contiguity) == (1024, 1024, 0.3)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(preset="XL"), ConfigError, ["Unknown preset 'XL'", "SM+C"]),
+    (dict(max_tokens=0), ValueError, ["max_tokens", "positive integer"]),
+    (dict(max_tokens=-5), ValueError, ["max_tokens"]),
+    (dict(max_tokens=2.5), ValueError, ["max_tokens"]),
+    (dict(temperature=-1.0), ValueError, ["temperature"]),
+    (dict(top_p=0.0), ValueError, ["top_p"]),
+    (dict(stop="\n"), TypeError, ["stop must be a list of strings"]),
+    (dict(n_locl=10), ConfigError, ["n_locl", "n_local"]),
+    (dict(min_block_size=100, max_block_size=10), ConfigError, ["min_block_size", "max_block_size"]),
+])
+def test_bad_settings_are_named(kwargs, error, words):
+    with pytest.raises(error) as raised:
+        EMLLM(model=MISSING, **kwargs)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_unknown_call_keywords_fail_before_loading():
+    llm = EMLLM(model=MISSING)
+    messages = [ChatMessage(role="user", content="hi")]
+    for call in (lambda: llm.complete("hi", tools=[]), lambda: llm.chat(messages, foo=1),
+                 lambda: llm.stream_complete("hi", max_new_tokens=3)):
+        with pytest.raises(TypeError, match="temperature, max_tokens, top_p, top_k, seed, stop"):
+            call()
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.complete("hi", max_tokens=0)
+
+
+async def test_async_calls_check_keywords_before_starting():
+    llm = EMLLM(model=MISSING)
+    messages = [ChatMessage(role="user", content="hi")]
+    with pytest.raises(TypeError, match="unknown keyword"):
+        await llm.acomplete("hi", foo=1)
+    with pytest.raises(TypeError, match="unknown keyword"):
+        await llm.astream_chat(messages, foo=1)
+    with pytest.raises(ValueError, match="Unknown model"):  # the work itself runs (and fails) in the thread
+        gen = await llm.astream_chat(messages)
+        async for _ in gen:
+            pass
+
+
+# ---------------------------------------------------------------------- messages
+def test_messages_become_engine_dicts():
+    messages = [ChatMessage(role=MessageRole.SYSTEM, content="Be brief."),
+                ChatMessage(role=MessageRole.DEVELOPER, content="No lists."),
+                ChatMessage(role=MessageRole.USER, blocks=[TextBlock(text="a"), TextBlock(text="b")]),
+                ChatMessage(role=MessageRole.ASSISTANT, content=None),
+                ChatMessage(role=MessageRole.MODEL, content="c")]
+    assert to_engine_messages(messages) == [
+        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "No lists."},
+        {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "c"}]
+
+
+def test_images_and_tool_messages_are_refused():
+    image = ChatMessage(role="user", blocks=[TextBlock(text="What is this?"), ImageBlock(image=PNG)])
+    with pytest.raises(ValueError, match="text only.*ImageBlock"):
+        to_engine_messages([image])
+    with pytest.raises(ValueError, match="'tool' message.*no tool or function calling"):
+        to_engine_messages([ChatMessage(role=MessageRole.TOOL, content="42")])
+
+
+# ---------------------------------------------------------------------- documents
+def test_node_texts_reads_text_and_metadata_on_request():
+    docs = [Document(text="First.", metadata={"title": "One"}), TextNode(text="Second.")]
+    assert node_texts(docs) == ["First.", "Second."]
+    assert "title: One" in node_texts(docs, MetadataMode.LLM)[0]
+
+
+@pytest.mark.parametrize("documents, error, words", [
+    ([], ValueError, ["No documents", "Document(text=...)"]),
+    ("just a string", TypeError, ["list of LlamaIndex documents"]),
+    (["plain text"], TypeError, ["Item 0 is a str", "Document(text=...)"]),
+    ([Document(text="ok"), Document(text="")], ValueError, ["Document 1", "empty"]),
+    ([Document(text="   \n")], ValueError, ["Document 0", "empty"]),
+    ([Document(text="ok"), ImageDocument(image=PNG.decode())], ValueError, ["Document 1", "image", "text only"]),
+])
+def test_bad_documents_fail_before_loading(documents, error, words):
+    before = loaded_engines()
+    with pytest.raises(error) as raised:
+        EMLLMQueryEngine.from_documents(documents, model=MISSING)
+    for word in words:
+        assert word in str(raised.value)
+    assert loaded_engines() == before
+
+
+@pytest.mark.parametrize("kwargs, error, word", [
+    (dict(preset="nope"), ConfigError, "Unknown preset"),
+    (dict(max_tokens=0), ValueError, "max_tokens"),
+    (dict(n_local=0), ConfigError, "n_local"),
+])
+def test_bad_query_engine_settings_fail_before_loading(kwargs, error, word):
+    with pytest.raises(error, match=word):
+        EMLLMQueryEngine.from_documents([Document(text="Some text.")], model=MISSING, **kwargs)
+
+
+# ---------------------------------------------------------------------- spans and sources
+def test_spans_tile_the_context_by_last_character():
+    # Documents "aaaa", "bb", "cccccc" joined by "\n\n" start at characters 0, 6, 10.
+    char_starts = [0, 6, 10]
+    # Tokens end at: 2, 4, 6 (separator after doc 0), 8 ("bb"), 11 ("\n\nc": its last char is in doc 2), 16.
+    token_ends = [2, 4, 6, 8, 11, 16]
+    assert spans_from_offsets(char_starts, token_ends) == [(0, 3), (3, 4), (4, 6)]
+
+
+def test_spans_of_a_document_without_own_tokens_are_empty():
+    assert spans_from_offsets([0, 3, 5], [2, 9]) == [(0, 1), (1, 1), (1, 2)]
+
+
+def test_document_shares_weight_tokens_by_layers():
+    spans = [(0, 100), (100, 200), (200, 300)]
+    events = [RetrievedEvent(10, 30, 2),    # doc 0: 20 tokens x 2 layers = 40
+              RetrievedEvent(190, 210, 3),  # doc 1: 10 x 3 = 30, doc 2: 10 x 3 = 30
+              RetrievedEvent(250, 260, 10)]  # doc 2: 100
+    shares = document_shares(spans, events)
+    assert shares == pytest.approx([40 / 200, 30 / 200, 130 / 200])
+    assert sum(shares) == pytest.approx(1.0)
+    assert document_shares(spans, []) == [0.0, 0.0, 0.0]
+    # Events beyond the documents (the question, the answer) count for none of them.
+    assert document_shares(spans, [RetrievedEvent(300, 320, 5)]) == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------- streaming helpers
+def _stream(deltas: list[str], closed: list[bool]) -> TextStream:
+    holder: dict = {}
+
+    def gen():
+        try:
+            yield from deltas
+            holder["result"] = GenerationResult(text="".join(deltas), finish_reason="stop", input_tokens=3,
+                                                output_tokens=len(deltas), new_input_tokens=1)
+        finally:
+            closed.append(True)
+    return TextStream(gen(), holder)
+
+
+def test_last_delta_carries_the_result():
+    closed: list[bool] = []
+    items = list(deltas_with_result(_stream(["a", "b", "c"], closed)))
+    assert [d for d, _ in items] == ["a", "b", "c"]
+    assert [r is None for _, r in items] == [True, True, False]
+    assert items[-1][1].text == "abc" and closed == [True]
+
+
+def test_an_empty_answer_still_yields_its_result_once():
+    items = list(deltas_with_result(_stream([], [])))
+    assert len(items) == 1 and items[0][0] == "" and items[0][1].output_tokens == 0
+
+
+def test_stopping_early_closes_the_stream():
+    closed: list[bool] = []
+    gen = deltas_with_result(_stream(["a", "b", "c"], closed))
+    next(gen)
+    gen.close()
+    assert closed == [True]
+
+
+async def test_iterate_in_thread_keeps_the_loop_free():
+    """The worker blocks until a task on the event loop sets an event: only possible if the loop is not blocked
+    while the worker runs (a blocking implementation would fail the wait below)."""
+    loop_ran = threading.Event()
+
+    def work():
+        yield "first"
+        if not loop_ran.wait(timeout=30):
+            raise AssertionError("the event loop was blocked while the worker ran")
+        yield "second"
+
+    async def on_the_loop():
+        await asyncio.sleep(0)
+        loop_ran.set()
+
+    task = asyncio.create_task(on_the_loop())
+    items = [item async for item in iterate_in_thread(work)]
+    await task
+    assert items == ["first", "second"]
+
+
+async def test_iterate_in_thread_raises_the_workers_error():
+    def work():
+        yield 1
+        raise KeyError("boom")
+
+    got = []
+    with pytest.raises(KeyError, match="boom"):
+        async for item in iterate_in_thread(work):
+            got.append(item)
+    assert got == [1]
+
+
+async def test_iterate_in_thread_stops_and_closes_the_iterator_when_abandoned():
+    closed = threading.Event()
+    produced = []
+
+    def work():
+        try:
+            for i in range(1000):
+                produced.append(i)
+                yield i
+                threading.Event().wait(0.001)
+        finally:
+            closed.set()
+
+    agen = iterate_in_thread(work)
+    assert await agen.__anext__() == 0
+    await agen.aclose()
+    assert await asyncio.to_thread(closed.wait, 30)
+    assert len(produced) < 1000
