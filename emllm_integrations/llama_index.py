@@ -230,14 +230,7 @@ class EMLLM(CustomLLM):
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         options = self._options(kwargs)
         text = prompt if formatted else self.completion_to_prompt(prompt)
-        stream = self.pool.stream(text, **options)
-
-        def gen() -> CompletionResponseGen:
-            so_far = ""
-            for delta, result in deltas_with_result(stream):
-                so_far += delta
-                yield _completion(result, text=so_far, delta=delta)
-        return gen()
+        return _cumulative(self.pool.stream(text, **options), _completion)
 
     # ------------------------------------------------------------------ chat (the model's chat template)
     @llm_chat_callback()
@@ -248,14 +241,7 @@ class EMLLM(CustomLLM):
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         options = self._options(kwargs)
-        stream = self.pool.stream(to_engine_messages(messages), **options)
-
-        def gen() -> ChatResponseGen:
-            so_far = ""
-            for delta, result in deltas_with_result(stream):
-                so_far += delta
-                yield _chat(result, text=so_far, delta=delta)
-        return gen()
+        return _cumulative(self.pool.stream(to_engine_messages(messages), **options), _chat)
 
     # ------------------------------------------------------------------ async: the work runs in a thread
     @llm_completion_callback()
@@ -294,6 +280,14 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
                              "Pass the content as text (e.g. a transcript or description of the media).")
         converted.append({"role": role, "content": message.content or ""})
     return converted
+
+
+def _cumulative(stream: TextStream, respond: Callable[..., Any]) -> Iterator[Any]:
+    """LlamaIndex streams carry the new piece (delta) and the whole text so far (text)."""
+    so_far = ""
+    for delta, result in deltas_with_result(stream):
+        so_far += delta
+        yield respond(result, text=so_far, delta=delta)
 
 
 def _completion(result: GenerationResult | None, text: str | None = None,

@@ -21,6 +21,7 @@ import torch
 
 from emllm import StorageFullError
 from emllm.persistence import KV_FILE, MemoryFileError, load_memory, save_memory
+from tests.tmpfs import mounted_tmpfs
 from tests.unit_tests.test_persistence_unit import (flip_bit, kill_after, memory_differences, open_memories,
                                                     run_child, siblings, tiny_engine)
 
@@ -169,19 +170,8 @@ def test_a_save_killed_at_random_moments_leaves_the_old_or_the_new_save(engine, 
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as error:
-        pytest.skip(f"cannot mount a small tmpfs to fill a disk (needs root and mount): {error}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill a disk (needs root): {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "12m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
 
 
 def test_a_full_disk_raises_storage_full_error_and_keeps_the_previous_save(engine, read_memory, small_tmpfs):

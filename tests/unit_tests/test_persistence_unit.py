@@ -24,6 +24,7 @@ import torch
 
 from emllm import EMConfig, StorageFullError, persistence
 from emllm.persistence import KV_FILE, MANIFEST, STATE_FILE, MemoryFileError, load_memory, save_memory
+from tests.tmpfs import mounted_tmpfs
 
 from .tiny import TINY, VOCAB, tiny_engine, tiny_model, tiny_tokenizer, token_ids  # noqa: F401 (re-exported)
 
@@ -212,19 +213,10 @@ def test_files_are_plain_json_and_safetensors(read_memory, saved):
 
 
 # ============================================================================ replacing a save
-def test_save_replaces_the_previous_save(engine, tmp_path):
-    first, second = engine.new_memory(), engine.new_memory()
-    engine.read(first, token_ids(120, seed=7))
-    engine.read(second, token_ids(200, seed=8))
-    target = tmp_path / "m"
-    save_memory(first, target, engine=engine)
-    save_memory(second, target, engine=engine)
-    assert memory_differences(second, load_memory(target, engine)) == []
-    assert siblings(target) == []
-
-
-def test_without_atomic_exchange_the_old_save_is_renamed_aside(engine, tmp_path, monkeypatch):
-    monkeypatch.setattr(persistence, "_HAVE_EXCHANGE", False)
+@pytest.mark.parametrize("atomic_exchange", [True, False], ids=["renameat2-exchange", "rename-aside"])
+def test_save_replaces_the_previous_save(atomic_exchange, engine, tmp_path, monkeypatch):
+    """With an atomic exchange the two saves swap in one step; without it the old one is renamed aside first."""
+    monkeypatch.setattr(persistence, "_HAVE_EXCHANGE", persistence._HAVE_EXCHANGE and atomic_exchange)
     first, second = engine.new_memory(), engine.new_memory()
     engine.read(first, token_ids(120, seed=7))
     engine.read(second, token_ids(200, seed=8))
@@ -555,19 +547,8 @@ def test_a_write_failure_raises_storage_full_error_and_keeps_the_previous_save(e
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as error:
-        pytest.skip(f"cannot mount a small tmpfs to fill a disk (needs root and mount): {error}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill a disk (needs root): {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "128k") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
 
 
 def test_a_full_disk_raises_storage_full_error_and_keeps_the_previous_save(engine, tiny_tmpfs):

@@ -18,6 +18,7 @@ import torch
 
 from emllm import storage
 from emllm.storage import PageStore, StorageFullError
+from tests.tmpfs import mounted_tmpfs
 
 LAYERS, KV, D, PAGE = 2, 2, 4, 8
 STORAGE_PY = str(Path(storage.__file__).resolve())
@@ -300,19 +301,8 @@ def test_a_failed_write_leaves_the_store_consistent(tmp_path):
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as error:
-        pytest.skip(f"cannot mount a 1 MB tmpfs to fill a disk (needs root and mount): {error}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MB tmpfs to fill a disk (needs root): {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "tiny", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, timeout=30)
 
 
 def test_full_disk_raises_storage_full_error(tiny_tmpfs):
