@@ -52,6 +52,7 @@ from langchain_core.tools import BaseTool
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, shared_engine
+from emllm.sessions import shared_pool
 from emllm.models import is_embedded_available, resolve_model_dir
 
 #: EMConfig fields, settable on ChatEMLLM by name (``ChatEMLLM(n_local=1024)``).
@@ -60,8 +61,6 @@ ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EMConfig) if f.name != 
 CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed")
 
 _ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
-_POOLS: dict[tuple, MemoryPool] = {}
-_POOLS_LOCK = threading.Lock()
 _END = object()
 
 
@@ -80,6 +79,9 @@ class ChatEMLLM(BaseChatModel):
     device: str | None = None
     max_memories: int = 4
     """Conversation checkpoints the shared pool keeps for reuse (least recently used ones are dropped)."""
+    memory_path: str | None = None
+    """A memory saved by ``save_memory`` (e.g. a long document already read): conversations that extend what it
+    read continue from it instead of reading again. It must have this instance's memory settings."""
 
     temperature: float = 0.0
     """0 = greedy."""
@@ -170,12 +172,17 @@ class ChatEMLLM(BaseChatModel):
 
     def pool(self, model: str | None = None) -> MemoryPool:
         """The MemoryPool shared by every instance with this model and these memory settings."""
-        engine, config = self.engine(model), self.em_config()
-        key = (id(engine), config, self.max_memories)
-        with _POOLS_LOCK:
-            if key not in _POOLS:
-                _POOLS[key] = MemoryPool(engine, config, max_memories=self.max_memories)
-            return _POOLS[key]
+        pool = shared_pool(self.engine(model), self.em_config(), self.max_memories)
+        if self.memory_path is not None and model in (None, self.model_name):
+            _adopt_saved(pool, self.memory_path)
+        return pool
+
+    def save_memory(self, messages: Sequence[BaseMessage], path: str | Path) -> Path:
+        """Save the memory of these messages (read now unless a call already did) to ``path``, atomically; start
+        ``ChatEMLLM(memory_path=path)`` in any process to continue conversations from it without re-reading."""
+        pool = self.pool()
+        memory = pool.checkpoint(to_engine_messages(list(messages)))
+        return pool.engine.save_memory(memory, path)
 
     # ------------------------------------------------------------------ token counting (the model's own tokenizer)
     def get_token_ids(self, text: str) -> list[int]:
@@ -272,6 +279,20 @@ class ChatEMLLM(BaseChatModel):
 
 
 # ---------------------------------------------------------------------- messages
+_ADOPTED: set[tuple[int, str]] = set()
+_ADOPTED_LOCK = threading.Lock()
+
+
+def _adopt_saved(pool: MemoryPool, path: str) -> None:
+    """Load a saved memory into a pool once per process (verified by emllm.persistence before use)."""
+    key = (id(pool), str(Path(path).absolute()))
+    with _ADOPTED_LOCK:
+        if key in _ADOPTED:
+            return
+        pool.adopt(pool.engine.load_memory(path, pool.config))
+        _ADOPTED.add(key)
+
+
 def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as the engine's ``{"role", "content"}`` turns (text only; names kept as a prefix)."""
     if not messages:

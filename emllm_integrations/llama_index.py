@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import threading
 from bisect import bisect_left, bisect_right
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
@@ -29,10 +31,12 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore
+from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
 from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, RetrievedEvent, TextStream
 from emllm.engine import _check_sampling
-from emllm.sessions import shared_engine
+from emllm.persistence import read_metadata
+from emllm.sessions import shared_engine, shared_pool
 
 from .prompts import DOCUMENT_SEPARATOR, format_context, qa_suffix
 
@@ -47,22 +51,11 @@ CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
           MessageRole.ASSISTANT: "assistant", MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant"}
 
-_POOLS: dict[tuple[int, EMConfig], MemoryPool] = {}
-_POOLS_LOCK = threading.Lock()
+
+SAVE_KIND = "emllm-query-engine/1"  # what EMLLMQueryEngine.save() puts in a saved memory's metadata
 
 
 # ---------------------------------------------------------------------- shared pieces
-def shared_pool(engine: EMEngine, config: EMConfig) -> MemoryPool:
-    """The one MemoryPool for this engine and config in this process, so every EMLLM with the same settings
-    reuses the same checkpoints (a chat engine builds a new prompt per turn; each extends the last)."""
-    key = (id(engine), config)  # engines from shared_engine live for the whole process, so id() is stable
-    with _POOLS_LOCK:
-        pool = _POOLS.get(key)
-        if pool is None:
-            pool = _POOLS[key] = MemoryPool(engine, config)
-        return pool
-
-
 def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
                      stop: Sequence[str] | None) -> dict[str, Any]:
     """Validated keyword arguments for MemoryPool.stream: checked here so a bad value fails before any reading."""
@@ -500,4 +493,37 @@ class EMLLMQueryEngine(CustomQueryEngine):
     def close(self) -> None:
         """Free the documents' memory (its disk pages are removed); the engine stays loaded for others."""
         self._pool.close()
+
+    # ------------------------------------------------------------------ read once, serve many times
+    def save(self, path: str | os.PathLike) -> Path:
+        """Save the documents' memory and the documents themselves in one atomic save (see emllm.persistence),
+        so another process answers from them with from_memory() without reading them again."""
+        memory = self._pool.checkpoint(self._context_ids)
+        documents = {"kind": SAVE_KIND, "nodes": [doc_to_json(node) for node in self.nodes],
+                     "spans": [list(span) for span in self.spans], "context_tokens": len(self._context_ids)}
+        return self._pool.engine.save_memory(memory, path, metadata={"llama_index": documents})
+
+    @classmethod
+    def from_memory(cls, path: str | os.PathLike, model: str | None = None, *, dtype: Any = "auto",
+                    device: str | None = None, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                    top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
+                    streaming: bool = False, progress: bool = False) -> "EMLLMQueryEngine":
+        """A query engine over documents saved by save(): the memory is loaded and verified, nothing is re-read."""
+        documents = read_metadata(path).get("llama_index")
+        if not isinstance(documents, dict) or documents.get("kind") != SAVE_KIND:
+            raise ValueError(f"{path} is a saved episodic memory but not one saved by EMLLMQueryEngine.save(); "
+                             "load it with EMEngine.load_memory instead.")
+        sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
+        engine = shared_engine(model, dtype=dtype, device=device, progress=progress)
+        memory = engine.load_memory(path)
+        if memory.total_tokens != documents["context_tokens"]:
+            memory.close()
+            raise ValueError(f"{path} holds {memory.total_tokens} tokens but its documents span "
+                             f"{documents['context_tokens']}: the save is inconsistent; build it again.")
+        pool = MemoryPool(engine, memory.config, max_memories=2)
+        pool.adopt(memory)
+        return cls(pool=pool, context_ids=list(memory.token_ids), nodes=[json_to_doc(d) for d in documents["nodes"]],
+                   spans=[tuple(span) for span in documents["spans"]], model=str(model or DEFAULT_MODEL),
+                   streaming=streaming, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                   seed=seed, stop=list(stop) if stop else None, progress=progress)
 

@@ -133,10 +133,10 @@ class EMEngine:
         self._memories.add(memory)
         return memory
 
-    def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike") -> Any:
+    def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike", metadata: dict | None = None) -> Any:
         """Write a memory to a directory atomically (safetensors + a checked manifest); see persistence.py."""
         from .persistence import save_memory
-        return save_memory(memory, path, engine=self)
+        return save_memory(memory, path, engine=self, metadata=metadata)
 
     def load_memory(self, path: "str | os.PathLike", config: EMConfig | None = None) -> EpisodicMemory:
         """A memory saved by save_memory, verified (version, model, shapes, checksums) before anything is used."""

@@ -77,13 +77,19 @@ class MemoryFileError(ValueError):
 
 
 # ====================================================================== saving
-def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EMEngine") -> Path:
+def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EMEngine",
+                metadata: dict[str, Any] | None = None) -> Path:
     """Save everything ``memory`` has read into the directory ``path`` (replaced atomically if it holds a save).
 
     ``engine`` is the engine that made the memory: its model's fingerprint goes into the manifest so the memory is
     never loaded into another model. Raises StorageFullError (the previous save intact, nothing left behind) when
-    the disk is full. Returns the directory.
+    the disk is full. Returns the directory. ``metadata`` (JSON) is stored in the checksummed manifest, so what an
+    adapter needs besides the memory (e.g. its documents) is saved in the same atomic step; see read_metadata.
     """
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"metadata must be JSON-serialisable (dicts, lists, strings, numbers): {error}") from error
     if memory.closed:
         raise ValueError("This episodic memory was closed; there is nothing to save.")
     if memory.shape != engine.shape:
@@ -113,7 +119,7 @@ def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EME
         files[KV_FILE]["tensors"] = {"pages": _spec(store.dtype, [kv_pages, *store.page_shape])}
         files[STATE_FILE]["tensors"] = {name: _spec(t.dtype, list(t.shape)) for name, t in state.items()}
         current = MANIFEST
-        manifest = _manifest(memory, engine, files, kv_pages)
+        manifest = _manifest(memory, engine, files, kv_pages, metadata or {})
         _write_file(temp / MANIFEST, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
         _fsync_dir(temp)
         current = "the directory entry"
@@ -241,7 +247,8 @@ def _spec(dtype: torch.dtype, shape: list[int]) -> dict[str, Any]:
     return {"dtype": str(dtype).removeprefix("torch."), "shape": [int(s) for s in shape]}
 
 
-def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages: int) -> dict[str, Any]:
+def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages: int,
+              metadata: dict[str, Any]) -> dict[str, Any]:
     from . import models
 
     layer = memory.layers[0]
@@ -268,6 +275,7 @@ def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages:
             "kv_pages": kv_pages, "kv_page_tokens": memory.store.page_tokens,
         },
         "files": files,
+        "metadata": metadata,
     }
     manifest["checksum"] = _manifest_checksum(manifest)
     return manifest
@@ -411,6 +419,17 @@ def load_memory(path: str | os.PathLike, engine: "EMEngine", *, config: EMConfig
         memory.close()
         raise
     return memory
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``metadata`` a save was made with, from its verified manifest (MemoryFileError if damaged)."""
+    target = Path(path).absolute()
+    if not target.is_dir():
+        raise MemoryFileError(f"No saved memory at {target}: the directory does not exist.")
+    metadata = _read_manifest(target).get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise MemoryFileError(f"{target / MANIFEST} has a 'metadata' section that is not a JSON object.")
+    return metadata
 
 
 def _read_manifest(target: Path) -> dict[str, Any]:

@@ -50,6 +50,21 @@ def shared_engine(model: str | None = None, *, dtype: torch.dtype | str = "auto"
         return engine
 
 
+_POOLS: dict[tuple, "MemoryPool"] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(engine: EMEngine, config: EMConfig, max_memories: int = 4) -> "MemoryPool":
+    """The one MemoryPool for this engine and memory config in this process: every adapter instance with the same
+    settings reuses the same checkpoints (frameworks build a new prompt per turn; each extends the last)."""
+    key = (id(engine), config, max_memories)  # engines from shared_engine live for the whole process
+    with _POOLS_LOCK:
+        pool = _POOLS.get(key)
+        if pool is None:
+            pool = _POOLS[key] = MemoryPool(engine, config, max_memories=max_memories)
+        return pool
+
+
 def loaded_engines() -> int:
     """How many engines (sets of weights) this process has loaded through shared_engine."""
     return len(_ENGINES)
@@ -100,6 +115,24 @@ class MemoryPool:
             while len(self._recent) > self.max_memories:
                 _, old = self._recent.popitem(last=False)
                 old.close()
+
+    def adopt(self, memory: EpisodicMemory) -> None:
+        """Pin a memory made elsewhere (e.g. loaded from disk) as a checkpoint; the pool closes it on close()."""
+        if memory.config != self.config:
+            raise ValueError("This memory was made with other memory settings than the pool's; load it with the "
+                             "pool's config or make a pool with the memory's config (memory.config).")
+        with self._lock:
+            self._pinned.append(memory)
+
+    def checkpoint(self, prompt: Prompt, *, progress: bool = False) -> EpisodicMemory:
+        """The kept memory that has read exactly this prompt (read and pinned now if none has), e.g. to save it."""
+        ids = self.engine.prompt_ids(prompt)
+        with self._lock:
+            for memory in self._checkpoints():
+                if memory.token_ids == ids and memory.last_logits is not None:
+                    return memory
+        self.read(ids, progress=progress)
+        return self._pinned[-1]
 
     # ------------------------------------------------------------------ reading and generating
     def read(self, prompt: Prompt, *, progress: bool = False) -> int:
