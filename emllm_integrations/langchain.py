@@ -52,6 +52,7 @@ from langchain_core.tools import BaseTool
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, shared_engine
+from emllm.engine import check_sampling
 from emllm.sessions import shared_pool
 from emllm.models import is_embedded_available, resolve_model_dir
 
@@ -130,7 +131,7 @@ class ChatEMLLM(BaseChatModel):
         """Bad settings fail here, at construction, rather than minutes later inside the first call."""
         self.em_config()  # unknown preset or field, impossible layout -> emllm.ConfigError (a ValueError)
         _check_model(self.model_name)
-        _check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k)
+        check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, length_name="max_tokens")
         if self.max_memories < 1:
             raise ValueError(f"max_memories must be at least 1, got {self.max_memories}.")
         if self.stop is not None and not all(isinstance(s, str) for s in self.stop):
@@ -274,7 +275,8 @@ class ChatEMLLM(BaseChatModel):
                    "temperature": kwargs.get("temperature", self.temperature),
                    "top_p": kwargs.get("top_p", self.top_p), "top_k": kwargs.get("top_k", self.top_k),
                    "seed": kwargs.get("seed", self.seed), "stop": stop if stop is not None else self.stop}
-        _check_sampling(options["max_new_tokens"], options["temperature"], options["top_p"], options["top_k"])
+        check_sampling(options["max_new_tokens"], options["temperature"], options["top_p"], options["top_k"],
+                       length_name="max_tokens")
         return kwargs.get("model"), options
 
 
@@ -368,14 +370,3 @@ def _check_model(model: str | None) -> None:
                          f"{error}") from None
     if not available:
         resolve_model_dir(model)  # raises ModelNotAvailableError with the pip command that installs it
-
-
-def _check_sampling(max_tokens: Any, temperature: Any, top_p: Any, top_k: Any) -> None:
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer (the most tokens to generate), got {max_tokens!r}.")
-    if not isinstance(temperature, (int, float)) or not 0 <= temperature < float("inf"):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}.")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
-    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}.")

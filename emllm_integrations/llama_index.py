@@ -34,7 +34,7 @@ from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithS
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
 from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, RetrievedEvent, TextStream
-from emllm.engine import _check_sampling
+from emllm.engine import check_sampling
 from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
 
@@ -59,9 +59,7 @@ SAVE_KIND = "emllm-query-engine/1"  # what EMLLMQueryEngine.save() puts in a sav
 def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
                      stop: Sequence[str] | None) -> dict[str, Any]:
     """Validated keyword arguments for MemoryPool.stream: checked here so a bad value fails before any reading."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer (how many tokens to generate), got {max_tokens!r}.")
-    _check_sampling(max_tokens, temperature, top_p, top_k)
+    check_sampling(max_tokens, temperature, top_p, top_k, length_name="max_tokens")
     if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) for s in stop)):
         raise TypeError(f"stop must be a list of strings, got {stop!r}.")
     return dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -225,13 +225,13 @@ class EMEngine:
         if isinstance(ids, dict) or not isinstance(ids, Iterable):
             raise TypeError(f"Expected text (str) or a list of token ids, got {type(ids).__name__}.")
         ids = list(ids)
-        for position, token in enumerate(ids):
-            if not isinstance(token, int) or isinstance(token, bool):
-                raise TypeError(f"Token ids are integers; position {position} holds {token!r} "
-                                f"({type(token).__name__}).")
+        if not set(map(type, ids)) <= {int}:  # one C-level pass; bool is refused too (type(True) is bool)
+            position = next(i for i, token in enumerate(ids) if type(token) is not int)
+            raise TypeError(f"Token ids are integers; position {position} holds {ids[position]!r} "
+                            f"({type(ids[position]).__name__}).")
         vocab = self.model.get_input_embeddings().num_embeddings
-        outside = [i for i, token in enumerate(ids) if not 0 <= token < vocab]
-        if outside:
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            outside = [i for i, token in enumerate(ids) if not 0 <= token < vocab]  # only to name them
             raise ValueError(f"Token id {ids[outside[0]]} at position {outside[0]} ({len(outside)} such ids) is "
                              f"outside this model's vocabulary [0, {vocab}): use ids from this model's tokenizer.")
         return torch.tensor(ids, dtype=torch.long)
@@ -272,7 +272,7 @@ class EMEngine:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: Sequence[str] | None = None, progress: bool = False) -> TextStream:
         """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read."""
-        _check_sampling(max_new_tokens, temperature, top_p, top_k)
+        check_sampling(max_new_tokens, temperature, top_p, top_k)
         stop = [s for s in (stop or []) if s]
         ids = self.prompt_ids(prompt)
         own_memory = memory is None
@@ -455,9 +455,13 @@ def _refuse_bytes(value: Any) -> None:
                         "data.decode('utf-8', errors='replace').")
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int) -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, *,
+                   length_name: str = "max_new_tokens") -> None:
+    """Refuse bad sampling settings before any reading; adapters pass their own name for the length
+    (LangChain and LlamaIndex call it max_tokens) so the message names what the user typed."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}.")
+        raise ValueError(f"{length_name} must be a positive integer (the most tokens to generate), "
+                         f"got {max_new_tokens!r}.")
     if not isinstance(temperature, (int, float)) or not temperature >= 0 or temperature == float("inf"):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}.")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:

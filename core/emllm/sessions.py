@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .config import EMConfig
-from .engine import EMEngine, Prompt, TextStream, _check_sampling
+from .engine import EMEngine, Prompt, TextStream, check_sampling
 from .memory import EpisodicMemory
 
 _ENGINES: dict[tuple, EMEngine] = {}
@@ -131,15 +131,17 @@ class MemoryPool:
             for memory in self._checkpoints():
                 if memory.token_ids == ids and memory.last_logits is not None:
                     return memory
-        self.read(ids, progress=progress)
-        return self._pinned[-1]
+        return self._read_and_pin(ids, progress)[0]
 
     # ------------------------------------------------------------------ reading and generating
     def read(self, prompt: Prompt, *, progress: bool = False) -> int:
         """Read a prefix (e.g. every document) once and pin it; later prompts that extend it read only the rest.
 
         Returns how many tokens were read now (0 if a checkpoint already held them all)."""
-        ids = self.engine.prompt_ids(prompt)
+        return self._read_and_pin(self.engine.prompt_ids(prompt), progress)[1]
+
+    def _read_and_pin(self, ids: list[int], progress: bool) -> tuple[EpisodicMemory, int]:
+        """(the pinned memory that has read ids, how many tokens it read now)."""
         memory = self.acquire(ids)
         try:
             read = self.engine.read(memory, ids[memory.total_tokens:], progress=progress)
@@ -148,7 +150,7 @@ class MemoryPool:
             raise
         with self._lock:
             self._pinned.append(memory)
-        return read
+        return memory, read
 
     def stream(self, prompt: Prompt, *, progress: bool = False, **sampling: Any) -> TextStream:
         """Generate like EMEngine.stream, starting from the longest checkpoint the prompt extends.
@@ -156,7 +158,7 @@ class MemoryPool:
         After the prompt is read, a fork is kept (the conversation's next turn extends this prompt); after the
         answer, the generating memory is kept too (the next turn may extend prompt + answer token for token).
         """
-        _check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
+        check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
                         sampling.get("top_p", 1.0), sampling.get("top_k", 0))  # before any reading, not after
         ids = self.engine.prompt_ids(prompt)
         holder: dict = {}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from emllm.engine import _check_sampling, _find_stop, _safe_length, normalize_messages, sample_token
+from emllm.engine import check_sampling, _find_stop, _safe_length, normalize_messages, sample_token
 
 
 def seeded(seed):
@@ -242,11 +242,11 @@ def test_streaming_emits_exactly_the_text_before_the_first_stop(text, stops, cut
     assert "".join(deltas) == final
 
 
-# ----------------------------------------------------------------------------- _check_sampling
+# ----------------------------------------------------------------------------- check_sampling
 def test_valid_sampling_arguments():
-    _check_sampling(1, 0.0, 1.0, 0)
-    _check_sampling(512, 0.7, 0.9, 40)
-    _check_sampling(3, 2.0, 1e-9, 1)
+    check_sampling(1, 0.0, 1.0, 0)
+    check_sampling(512, 0.7, 0.9, 40)
+    check_sampling(3, 2.0, 1e-9, 1)
 
 
 @pytest.mark.parametrize("args, field", [
@@ -263,13 +263,13 @@ def test_valid_sampling_arguments():
 ])
 def test_invalid_sampling_arguments_name_the_field(args, field):
     with pytest.raises(ValueError, match=field):
-        _check_sampling(*args)
+        check_sampling(*args)
 
 
 @pytest.mark.parametrize("args, field", [((8, math.nan, 1.0, 0), "temperature"), ((8, 0.7, 1.0, 2.5), "top_k")])
 def test_nan_temperature_and_float_top_k_are_refused(args, field):
     with pytest.raises(ValueError, match=field):
-        _check_sampling(*args)
+        check_sampling(*args)
 
 
 def test_fold_system_moves_system_text_into_the_next_user_turn():
