@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .prompts import DOCUMENT_SEPARATOR, format_context, qa_suffix
+from .prompts import document_starts, format_context, qa_suffix
 from .rag import CHUNK_WORDS, TOP_K, RAGBaseline, _check_order, _check_positive, _check_question, check_documents
 
 METHODS = ("em-llm", "rag")
@@ -114,12 +114,8 @@ def context_tokens(engine: Any, documents: Sequence[str]) -> tuple[list[int], li
     """The documents' context (joined as in the prompt) as token ids, each token's character span in it, and
     where each document starts in it. The ids are exactly engine.tokenize(context)."""
     context = format_context(documents)
-    encoded = engine.tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
-    starts, position = [], 0
-    for doc in documents:
-        starts.append(position)
-        position += len(doc) + len(DOCUMENT_SEPARATOR)
-    return list(encoded["input_ids"]), [tuple(o) for o in encoded["offset_mapping"]], starts
+    ids, offsets = engine.tokenize_with_offsets(context)
+    return ids, offsets, document_starts(documents)
 
 
 def event_spans(events: Sequence[Any], offsets: Sequence[tuple[int, int]], doc_starts: Sequence[int],

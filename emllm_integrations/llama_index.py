@@ -38,7 +38,7 @@ from emllm.engine import check_sampling
 from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
 
-from .prompts import DOCUMENT_SEPARATOR, format_context, qa_suffix
+from .prompts import document_starts, format_context, qa_suffix
 
 DEFAULT_CONTEXT_WINDOW = 1 << 20
 """What EMLLM reports as its context window when ``max_input_tokens`` is not set. The episodic memory has no fixed
@@ -324,14 +324,10 @@ def tokenize_documents(engine: EMEngine, texts: Sequence[str]) -> tuple[list[int
     token span [start, end) in it. Spans come from the tokenizer's character offsets; the separator after a
     document counts as that document's, so the spans tile the context."""
     context = format_context(texts)
-    char_starts, position = [], 0
-    for text in texts:
-        char_starts.append(position)
-        position += len(text) + len(DOCUMENT_SEPARATOR)
+    char_starts = document_starts(texts)
     if getattr(engine.tokenizer, "is_fast", False):
-        encoded = engine.tokenizer(context, add_special_tokens=False, return_offsets_mapping=True)
-        return list(encoded["input_ids"]), spans_from_offsets(char_starts, [end for _, end in
-                                                                            encoded["offset_mapping"]])
+        ids, offsets = engine.tokenize_with_offsets(context)
+        return ids, spans_from_offsets(char_starts, [end for _, end in offsets])
     # A slow tokenizer has no offsets: count the tokens of each growing prefix instead (a token merged across a
     # separator may be credited to the neighbouring document).
     ids = engine.tokenize(context)

@@ -19,6 +19,15 @@ def format_context(texts: Sequence[str]) -> str:
     return DOCUMENT_SEPARATOR.join(texts)
 
 
+def document_starts(texts: Sequence[str]) -> list[int]:
+    """Where each document begins, in characters, in format_context(texts): maps token offsets to documents."""
+    starts, position = [], 0
+    for text in texts:
+        starts.append(position)
+        position += len(text) + len(DOCUMENT_SEPARATOR)
+    return starts
+
+
 def qa_suffix(question: str) -> str:
     """What follows the context. Tokenise it separately and append its ids to the context's ids: the context's
     tokens then stay a prefix of every question's prompt, so a memory that has read them is reused."""

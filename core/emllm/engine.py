@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from . import attention
 from .config import ConfigError, EMConfig
+from .lossless import LosslessCheck
 from .memory import EpisodicMemory, ModelShape, RetrievedEvent, _because
 from .rope import RotaryTable
 
@@ -99,6 +100,7 @@ class EMEngine:
         self.input_device = model.get_input_embeddings().weight.device
         self.store_device = self.layer_devices[0]
         self.eos_ids = _end_of_turn_ids(model, tokenizer)
+        self._lossless = LosslessCheck(tokenizer)
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
 
     @classmethod
@@ -154,18 +156,32 @@ class EMEngine:
     # ------------------------------------------------------------------ text <-> tokens
     def tokenize(self, text: str) -> list[int]:
         _check_text(text)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self._refuse_lost_text(text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """tokenize() plus each token's character span in the text (needs a fast tokenizer), for mapping
+        retrieved tokens back to the documents they came from."""
+        _check_text(text)
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = self._refuse_lost_text(text, list(encoded["input_ids"]))
+        return ids, [tuple(span) for span in encoded["offset_mapping"]]
+
+    def _refuse_lost_text(self, text: str, ids: list[int]) -> list[int]:
+        """The ids, if they represent the text; else a ValueError naming the characters the tokenizer lacks."""
         if not ids:  # a tokenizer without a token for these characters drops them
             raise ValueError(f"The text {text[:40]!r} gives no tokens: this model's tokenizer cannot represent its "
                              "characters. Remove or replace them.")
+        self._lossless.check(text, ids)
         return ids
 
     def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the model's chat template (consecutive same-role turns merged)."""
-        messages = normalize_messages(messages, merge=False)
+        return self.tokenize(self._render_chat(normalize_messages(messages, merge=False), add_generation_prompt))
+
+    def _render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        """The conversation as text, tokenised by tokenize() so its characters get the same checks as plain text."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
-            return self.tokenize(text)
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
         # Render the turns as given (so a longer conversation extends a shorter one token for token); only a
         # template that rejects them (consecutive same-role turns, a system turn) gets them merged.
         try:
@@ -173,10 +189,9 @@ class EMEngine:
         except Exception:  # jinja2 raises TemplateError subclasses via the template's raise_exception
             return self._apply_template(normalize_messages(fold_system(messages)), add_generation_prompt)
 
-    def _apply_template(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
-        encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=True)
-        return list(encoded["input_ids"])
+    def _apply_template(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -307,8 +307,11 @@ def expected_text_error(text: str) -> str | None:
         return "empty"
     if any("\ud800" <= c <= "\udfff" for c in text):
         return "surrogate"
-    if all(b in UNREPRESENTABLE for b in text.encode()):
+    data = text.encode()
+    if all(b in UNREPRESENTABLE for b in data):
         return "gives no tokens"
+    if any(b in UNREPRESENTABLE for b in data):
+        return "has no token for"
     return None
 
 
@@ -326,10 +329,7 @@ def test_any_text_is_answered_from_exactly_its_tokens_or_refused(smol_engine, te
             CASES["texts refused"] += 1
             return
         ids = smol_engine.prompt_ids(text)
-        if any(b in UNREPRESENTABLE for b in text.encode()):
-            CASES["texts with bytes the tokenizer drops (see xfail below)"] += 1
-        else:
-            assert smol_engine.tokenizer.decode(ids) == text  # the memory holds this text, not another
+        assert smol_engine.tokenizer.decode(ids) == text  # the memory holds this text, not another
         result = smol_engine.generate(text, memory=memory, max_new_tokens=2)
         assert isinstance(result, GenerationResult) and result.input_tokens == len(ids)
         assert memory.token_ids[:len(ids)] == ids
@@ -337,17 +337,15 @@ def test_any_text_is_answered_from_exactly_its_tokens_or_refused(smol_engine, te
         memory.close()
 
 
-@pytest.mark.xfail(strict=True, reason="SmolLM2's byte-level vocabulary has no token for bytes 0x04 0x06 0x13 "
-                   "0x14 0x16 0x1d 0xf1 0xf2 (and ones invalid in UTF-8), and the tokenizer drops them silently; "
-                   "the engine does not yet refuse such text (proposed fix in the fuzz report)")
-def test_characters_the_tokenizer_cannot_represent_are_not_dropped_silently(smol_engine):
-    text = "a\x04b \U00040000 c"
-    try:
-        ids = smol_engine.prompt_ids(text)
-    except ValueError as error:  # refusing the text with a clear message is a correct outcome too
-        assert "\\x04" in str(error) or "0x04" in str(error)
-        return
-    assert smol_engine.tokenizer.decode(ids) == text
+def test_characters_the_tokenizer_cannot_represent_are_refused_not_dropped(smol_engine):
+    """Before: "a\x04b" was read as "ab" (SmolLM2 has no token for 0x04), so the memory held another text."""
+    for text, bad in [("a\x04b", "\x04"), ("key \U00040000 here", "\U00040000"), ("ok\x1d", "\x1d")]:
+        with pytest.raises(ValueError, match="has no token for") as error:
+            smol_engine.prompt_ids(text)
+        assert repr(bad) in str(error.value) and f"U+{ord(bad):04X}" in str(error.value), str(error.value)
+    with pytest.raises(ValueError, match="has no token for"):  # in a conversation too
+        smol_engine.chat([{"role": "user", "content": "the key is \x04 7"}], max_new_tokens=1)
+    assert smol_engine.tokenizer.decode(smol_engine.prompt_ids("café é 中文 🙂")) == "café é 中文 🙂"
 
 
 def test_text_the_tokenizer_drops_entirely_is_refused(smol_engine):
@@ -397,6 +395,8 @@ def message_list_is_valid(messages: list, vocab: int) -> bool:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
             return False
         if m["role"] not in ("system", "user", "assistant") or expected_text_error(m["content"]) == "surrogate":
+            return False
+        if any(b in UNREPRESENTABLE for b in m["content"].encode()):  # the rendered conversation would lose it
             return False
     return any(m["content"].strip() for m in messages)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import re
-import types
 import warnings
 from typing import Any
 
@@ -20,11 +19,13 @@ from llama_index.core.llms import CompletionResponse, CompletionResponseGen, Cus
 from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.vector_stores.faiss import FaissVectorStore
 
-from emllm import ConfigError
+from emllm import ConfigError, EMConfig, EMEngine
 from emllm.memory import RetrievedEvent
 from emllm_integrations import rag
 from emllm_integrations.compare import (ComparisonResult, ComparisonRow, compare, context_tokens, event_spans)
 from emllm_integrations.prompts import format_context, qa_prompt
+
+from .tiny import TINY, tiny_model
 
 # ---------------------------------------------------------------------- a corpus with one planted fact
 TOPICS = {
@@ -423,7 +424,7 @@ def test_event_spans_map_token_positions_back_to_documents():
     """With a real fast tokenizer (MiniLM's; the mapping only needs offsets): events inside one document, across
     a document boundary, and past the context map to the right document text."""
     tokenizer = rag.load_embedding_model("minilm").tokenizer
-    engine = types.SimpleNamespace(tokenizer=tokenizer)
+    engine = EMEngine(tiny_model(), tokenizer, EMConfig.from_preset("S", **TINY))
     docs = ["alpha beta gamma delta", "epsilon zeta eta theta iota", "kappa lambda mu"]
     ids, offsets, starts = context_tokens(engine, docs)
     assert ids == tokenizer(format_context(docs), add_special_tokens=False)["input_ids"]
