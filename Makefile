@@ -27,7 +27,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/emllm demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py

@@ -52,7 +52,7 @@ class TokenRecorder(BaseCallbackHandler):
 
 
 # ---------------------------------------------------------------------- the long document, through LCEL
-@pytest.mark.slow
+@pytest.mark.slow(seconds=200)
 @pytest.mark.timeout(3600)
 def test_lcel_chain_answers_from_a_fact_30k_tokens_before_the_question():
     """ChatPromptTemplate | ChatEMLLM | StrOutputParser over a 32K-token document (4x the model's trained context);

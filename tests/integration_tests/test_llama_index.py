@@ -368,7 +368,7 @@ def _token_span(engine, context: str, text: str) -> tuple[int, int]:
     return tokens[0], tokens[-1] + 1
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=200)
 @pytest.mark.timeout(3600)
 def test_query_engine_over_32k_tokens_of_documents():
     rng = random.Random(7)
