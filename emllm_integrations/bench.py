@@ -538,6 +538,7 @@ METRICS = (("prefill_seconds", "prefill time (s): reading the document(s) once")
 
 def _plots(rows: list[dict[str, Any]], out: pathlib.Path) -> dict[str, pathlib.Path]:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -584,9 +585,9 @@ def _plots(rows: list[dict[str, Any]], out: pathlib.Path) -> dict[str, pathlib.P
     if needle:
         needle_methods = list(dict.fromkeys(r["method"] for r in needle))
         depths = sorted({r["depth"] for r in needle})
-        fig, axes = plt.subplots(1, len(needle_methods), figsize=(3.2 * len(needle_methods) + 1, 3.4),
-                                 squeeze=False)
-        for ax, method in zip(axes[0], needle_methods):
+        fig, axes = plt.subplots(1, len(needle_methods), figsize=(3.2 * len(needle_methods) + 1.5, 3.6),
+                                 squeeze=False, layout="constrained")
+        for i, (ax, method) in enumerate(zip(axes[0], needle_methods)):
             grid = [[_mean(float(bool(r["correct"])) for r in needle
                            if r["method"] == method and r["depth"] == d and r["length"] == n) for n in lengths]
                     for d in depths]
@@ -594,8 +595,12 @@ def _plots(rows: list[dict[str, Any]], out: pathlib.Path) -> dict[str, pathlib.P
             image = ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
             ax.set_xticks(range(len(lengths)), [_short(n) for n in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+            for (y, x), value in np.ndenumerate(np.asarray(values, dtype=float)):
+                if not math.isnan(value):
+                    ax.text(x, y, f"{value:.0%}", ha="center", va="center", fontsize=8)
             ax.set_xlabel("length (tokens)")
-            ax.set_ylabel("needle depth")
+            if i == 0:
+                ax.set_ylabel("needle depth")
             ax.set_title(f"needle: {method}")
         fig.colorbar(image, ax=list(axes[0]), label="accuracy")
         paths["needle_heatmap"] = out / "needle_heatmap.png"
