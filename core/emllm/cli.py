@@ -1,4 +1,5 @@
-"""`emllm demo` (a needle in 32K+ tokens) and `emllm chat --file PATH` (ask questions about a text file)."""
+"""`emllm demo` (a needle in 32K+ tokens), `emllm chat --file PATH` (ask questions about a text file) and
+`emllm bench` (tasks x methods x lengths, with tables and figures; needs the integrations' extras)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,52 @@ def chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    # Imported here: the benchmark's RAG methods and figures need the integrations' extras, the engine does not.
+    try:
+        from emllm_integrations.bench import BenchRequirementError, markdown, run_bench, summary, write_report
+    except ImportError as error:
+        print(f"emllm bench: the benchmark lives in the emllm_integrations package, which could not be imported "
+              f"({error}). Install it with its extras: pip install 'emllm-integrations[rag,langchain,llama-index,"
+              "notebooks]'", file=sys.stderr)
+        return 2
+    fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir")
+              if getattr(args, name, None) is not None}
+    try:
+        rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, seed=args.seed,
+                         max_new_tokens=args.max_new_tokens, engine_fields=fields,
+                         full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads)
+    except BenchRequirementError as error:
+        print(f"emllm bench: {error}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as error:  # bad arguments (ConfigError is a ValueError): named with the fix
+        print(f"emllm bench: {error}", file=sys.stderr)
+        return 2
+    if not rows:
+        print("emllm bench: every cell was skipped; nothing to report.", file=sys.stderr)
+        return 2
+    paths = write_report(rows, args.out)
+    print(markdown(rows).split("\n\n## Every question")[0])
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    failed = sum(s["errors"] for s in summary(rows))
+    if failed:
+        print(f"emllm bench: {failed} question(s) failed with an error (see the 'error' field in bench.json).",
+              file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _length(text: str) -> int:
+    """A length in tokens: 4096, 4K (= 4096) or 1M (= 1,048,576)."""
+    units = {"K": 2**10, "M": 2**20}
+    cleaned = text.strip().upper().replace("_", "").replace(",", "")
+    try:
+        if cleaned and cleaned[-1] in units:
+            return int(cleaned[:-1]) * units[cleaned[-1]]
+        return int(cleaned)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length in tokens: write e.g. 4096, 4K or 1M.") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="emllm", description="EM-LLM episodic memory for Hugging Face LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +167,38 @@ def main(argv: list[str] | None = None) -> int:
     p_chat.add_argument("--file", required=True, help="path of a UTF-8 text file")
     p_chat.add_argument("--max-new-tokens", type=int, default=256)
     p_chat.set_defaults(run=chat)
+
+    p_bench = sub.add_parser("bench", help="tasks x methods x lengths x depths on one model: JSON, markdown, PNGs",
+                             description="Runs every task x method x length x depth on one model; writes bench.json, "
+                             "bench.md and PNG figures to --out. Each (method, length) runs in its own process so "
+                             "its peak RSS is its own. Lengths take K/M suffixes (4K = 4096); past RAM, use "
+                             "--ram-budget-mb with --offload-dir.")
+    p_bench.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
+    p_bench.add_argument("--tasks", nargs="+", default=["passkey", "needle", "kv", "multidoc"],
+                         choices=["passkey", "needle", "kv", "multidoc"])
+    p_bench.add_argument("--methods", nargs="+", default=["S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm",
+                                                          "rag-mpnet"],
+                         help="EM-LLM presets (S SM S+C SM+C F ...), full, rag-minilm, rag-mpnet")
+    p_bench.add_argument("--lengths", nargs="+", type=_length, default=[2**k for k in range(12, 18)],
+                         help="input lengths in tokens (default 4K 8K 16K 32K 64K 128K)")
+    p_bench.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9],
+                         help="answer positions in [0, 1] (default 0.1 0.5 0.9)")
+    p_bench.add_argument("--out", default="bench-results", help="output folder (default ./bench-results)")
+    p_bench.add_argument("--seed", type=int, default=0)
+    p_bench.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
+                         help="tokens to generate per answer (default: the answer's length + 16)")
+    p_bench.add_argument("--full-max-tokens", dest="full_max_tokens", type=_length, default=32_768,
+                         help="skip plain full attention above this length (quadratic; default 32K)")
+    p_bench.add_argument("--n-local", dest="n_local", type=int, help="EM-LLM: local window tokens")
+    p_bench.add_argument("--n-mem", dest="n_mem", type=int, help="EM-LLM: retrieved-event token budget")
+    p_bench.add_argument("--chunk-size", dest="chunk_size", type=int, help="EM-LLM: tokens per forward while reading")
+    p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
+                         help="EM-LLM: RAM for evicted KV; the rest goes to --offload-dir")
+    p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")
+    p_bench.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own)")
+    p_bench.add_argument("--in-process", dest="in_process", action="store_true",
+                         help="run every cell in this process (faster to start; peak RSS then only grows)")
+    p_bench.set_defaults(run=bench)
 
     args = parser.parse_args(argv)
     return args.run(args)

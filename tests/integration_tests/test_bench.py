@@ -1,0 +1,71 @@
+"""`emllm bench` end to end on the real model at a tiny size: the CLI entry runs passkey and kv with EM-LLM (S) and
+the RAG baseline (MiniLM), each (method, length) cell in its own process, and writes complete rows, the markdown
+and the figures. About a minute of CPU; the accuracy itself is not asserted (1K tokens says little about it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from emllm.cli import main
+from emllm_integrations.bench import ROW_FIELDS, run_bench
+
+PNG = b"\x89PNG\r\n\x1a\n"
+LENGTH = 1024
+# A window far smaller than the document, so the document really goes through the episodic memory.
+LAYOUT = ["--n-local", "256", "--n-mem", "256", "--chunk-size", "256"]
+
+
+@pytest.mark.timeout(600)
+def test_cli_bench_writes_complete_rows_table_and_figures(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "--tasks", "passkey", "kv", "--methods", "S", "rag-minilm", "--lengths", str(LENGTH),
+                 "--depths", "0.5", *LAYOUT, "--threads", "1", "--out", str(out)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-2000:]
+
+    rows = json.loads((out / "bench.json").read_text())
+    assert sorted((r["method"], r["task"]) for r in rows) == [("S", "kv"), ("S", "passkey"), ("rag-minilm", "kv"),
+                                                              ("rag-minilm", "passkey")]
+    for row in rows:
+        assert set(row) == set(ROW_FIELDS)
+        assert row["error"] is None, row["error"]
+        assert isinstance(row["correct"], bool)
+        assert row["correct"] == (row["expected"] in row["output"])
+        assert row["length"] == LENGTH and row["tokens"] >= LENGTH and row["depth"] == 0.5
+        assert row["expected"] and row["question"]
+        assert row["prefill_seconds"] > 0 and row["query_seconds"] > 0 and row["decode_ms_per_token"] > 0
+        assert row["output_tokens"] >= 1
+        assert 100 < row["peak_rss_mb"] < 16_000
+    for row in rows:
+        if row["method"] == "S":
+            # The document was read once as the prefill; the query read only the question's tokens.
+            assert row["tokens_read"] < 100
+            assert 8 <= row["mean_event_size"] <= 128  # events formed (min/max block size bound them)
+        else:
+            assert row["mean_event_size"] is None
+            assert row["tokens_read"] > 100  # RAG's LLM reads the retrieved chunks with the question
+    # The same documents for both methods: same seed, same expected answers.
+    expected = {(r["task"], r["method"]): r["expected"] for r in rows}
+    assert expected[("passkey", "S")] == expected[("passkey", "rag-minilm")]
+    assert expected[("kv", "S")] == expected[("kv", "rag-minilm")]
+
+    table = (out / "bench.md").read_text()
+    for task in ("passkey", "kv"):
+        for method in ("S", "rag-minilm"):
+            assert f"| {task} | {method} | {LENGTH:,} |" in table
+    assert "Accuracy by task, method and length" in printed.out
+    for name in ("accuracy", "prefill_seconds", "query_seconds", "decode_ms_per_token", "peak_rss_mb",
+                 "mean_event_size"):
+        assert (out / f"{name}.png").read_bytes()[:8] == PNG, name
+
+
+@pytest.mark.timeout(300)
+def test_a_cell_whose_process_fails_gives_error_rows_not_a_crash(tmp_path):
+    rows = run_bench(["passkey"], ["S"], [LENGTH], [0.2, 0.8], model=str(tmp_path / "no-such-model"),
+                     progress=False)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["correct"] is False and row["output"] == ""
+        assert "exited with code" in row["error"] and "no-such-model" in row["error"]
