@@ -28,7 +28,6 @@ import json
 import math
 import os
 import pathlib
-import resource
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
+
+from emllm.cli import peak_rss_mb
 
 from .prompts import format_context, qa_suffix
 
@@ -287,7 +288,7 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
                 reason = ""
             for question, answer, depth in item.questions[answered:]:
                 emit(_error_row(task, method, length, depth, reason or "not answered", question, answer))
-    return _peak_rss_mb()
+    return peak_rss_mb()
 
 
 def _answer_engine(item: _Item, method: str, length: int, engine: Any, settings: BenchSettings,
@@ -432,7 +433,7 @@ def _row(task: str, method: str, length: int, tokens: int, depth: float, questio
             "question": question, "expected": expected, "output": output.strip(), "correct": expected in output,
             "prefill_seconds": prefill, "query_seconds": query,
             "decode_ms_per_token": 1000 * decode / max(output_tokens, 1), "output_tokens": output_tokens,
-            "tokens_read": tokens_read, "peak_rss_mb": _peak_rss_mb(),
+            "tokens_read": tokens_read, "peak_rss_mb": peak_rss_mb(),
             "mean_event_size": None if event_size is None or math.isnan(event_size) else event_size, "error": None}
 
 
@@ -459,10 +460,6 @@ def _seed(seed: int, task: str, length: int, depth: float) -> int:
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _installed(module: str) -> bool:

@@ -24,7 +24,8 @@ def _engine(args: argparse.Namespace):
     return EMEngine.from_pretrained(args.model, preset=args.preset, **overrides)
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (the demo and every bench cell report it)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
@@ -51,7 +52,7 @@ def demo(args: argparse.Namespace) -> int:
           f"attention spans at most {engine.config.n_init + engine.config.n_mem + engine.config.n_local:,} + chunk tokens")
     kv_mb = sum(stats["kv_bytes_resident"].values()) / 2**20
     print(f"memory: {kv_mb:,.0f} MB of evicted KV resident ({stats['tokens_per_tier']}), "
-          f"peak RSS {_peak_rss_mb():,.0f} MB")
+          f"peak RSS {peak_rss_mb():,.0f} MB")
     memory.close()
     return 0 if ok else 1
 

@@ -52,10 +52,7 @@ class PasskeyDocument:
 def passkey_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int],
                      seed: int = 0) -> PasskeyDocument:
     """A haystack of about ``num_tokens`` tokens with a random 5-digit pass key at ``depth``."""
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth is a fraction of the document in [0, 1], got {depth!r}.")
-    if num_tokens < 64:
-        raise ValueError(f"num_tokens must be at least 64 to hold the instruction and the needle, got {num_tokens}.")
+    depth, num_tokens = _check_depth(depth), _check_num_tokens(num_tokens)
     key = str(random.Random(seed).randint(10_000, 99_999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     fixed = count_tokens(PASSKEY_INSTRUCTION + needle + PASSKEY_QUESTION)
