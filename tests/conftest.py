@@ -1,9 +1,13 @@
 """How the suite shares the machine when pytest-xdist runs it on several workers (`make test` uses two).
 
 Measured on the 2-core machine: two one-thread processes forward SmolLM2 at 840 tokens/s together, one two-thread
-process at 633, so each worker gets an equal share of the cores. Modules stay whole on one worker because their
+process at 630, so each worker gets an equal share of the cores. Modules stay whole on one worker because their
 module fixtures read long documents once; the passkey demonstration's 32K runs are independent, so they spread.
 Work starts longest first (the `slow(seconds=...)` estimates), so no worker is left with a long tail.
+
+The grouping is a scheduler of our own (`pytest_xdist_make_scheduler`): xdist's `loadgroup` marks do not work with
+this pytest (xdist 3.8 renames `item._nodeid`, which pytest 9 no longer reads), so every test became its own unit
+and a module's fixtures were built once on each worker.
 """
 
 from __future__ import annotations
@@ -28,17 +32,27 @@ def _estimated_seconds(item: pytest.Item) -> float:
     return float(marker.kwargs.get("seconds", 60)) if marker is not None else 0.0
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
+def _unit(nodeid: str) -> str:
+    """What one worker runs as a whole: the test module, or the single test in SPREAD_MODULES."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if path.rsplit("/", 1)[-1] in SPREAD_MODULES else path
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist may be absent: plain `pytest` still runs
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    unit_of = {}
-    for item in items:
-        if item.path.name in SPREAD_MODULES:
-            unit_of[item.nodeid] = item.nodeid
-        else:
-            unit_of[item.nodeid] = item.module.__name__
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """Longest units first; xdist keeps this order with --no-loadscope-reorder."""
     cost: dict[str, float] = {}
     for item in items:
-        cost[unit_of[item.nodeid]] = cost.get(unit_of[item.nodeid], 0.0) + _estimated_seconds(item)
+        cost[_unit(item.nodeid)] = cost.get(_unit(item.nodeid), 0.0) + _estimated_seconds(item)
     order = {item.nodeid: index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (-cost[unit_of[item.nodeid]], order[item.nodeid]))
+    items.sort(key=lambda item: (-cost[_unit(item.nodeid)], order[item.nodeid]))

@@ -62,8 +62,9 @@ def test_lcel_chain_answers_from_a_fact_30k_tokens_before_the_question():
     n_local = n_mem = 1024): with the question only after the document the chat model answered 'The pass key is the
     "The sun is yellow."' although the event holding the key was retrieved in 26 of 30 layers (also with the
     assistant's answer begun as "The pass key is"); with the question first (it stays among the attention sinks,
-    seen by every chunk) it answered 'The pass key is 10228.', with the question before, or before and after."""
-    llm = ChatEMLLM(preset="S", n_local=1024, n_mem=1024, max_tokens=16)
+    seen by every chunk) it answered 'The pass key is 10228.', with the question before, or before and after. The test
+    reads with the lighter n_local = n_mem = 512, which answers too and reads the document in a quarter less time."""
+    llm = ChatEMLLM(preset="S", n_local=512, n_mem=512, max_tokens=16)
     doc = passkey_document(32_768, 0.1, llm.engine().count_tokens, seed=32_868)
     prompt = ChatPromptTemplate.from_messages([
         ("human", "Answer the question about the text below.\nQuestion: {question}\n\n{document}\n\n"

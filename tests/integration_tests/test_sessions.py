@@ -30,13 +30,14 @@ def document(engine):
     return doc, engine.tokenize(doc.prompt)
 
 
-def _fresh(engine, ids, **kwargs):
-    return engine.generate(ids, memory=engine.new_memory(), max_new_tokens=8, **kwargs)
+@pytest.fixture(scope="module")
+def reference(engine, document):
+    """The answer of a fresh memory that read the whole document: what every fork and pool must reproduce."""
+    return engine.generate(document[1], memory=engine.new_memory(), max_new_tokens=8)
 
 
-def test_fork_reads_like_a_memory_that_read_everything(engine, document):
+def test_fork_reads_like_a_memory_that_read_everything(engine, document, reference):
     doc, ids = document
-    reference = _fresh(engine, ids)
     assert doc.answer in reference.text
 
     parent = engine.new_memory()
@@ -48,7 +49,7 @@ def test_fork_reads_like_a_memory_that_read_everything(engine, document):
     assert result.token_ids == reference.token_ids
 
 
-def test_fork_never_changes_its_parent(engine, document):
+def test_fork_never_changes_its_parent(engine, document, reference):
     _, ids = document
     parent = engine.new_memory()
     engine.read(parent, ids[:-40])
@@ -61,10 +62,10 @@ def test_fork_never_changes_its_parent(engine, document):
     assert parent.token_ids == tokens_before
     assert torch.equal(parent.layers[3].window_keys(), window_before)
     # The parent still answers exactly as a fresh memory does.
-    assert engine.generate(ids, memory=parent, max_new_tokens=8).token_ids == _fresh(engine, ids).token_ids
+    assert engine.generate(ids, memory=parent, max_new_tokens=8).token_ids == reference.token_ids
 
 
-def test_fork_outlives_its_parent_and_cleans_up_after_both(engine, document):
+def test_fork_outlives_its_parent_and_cleans_up_after_both(engine, document, reference):
     doc, ids = document
     parent = engine.new_memory()
     engine.read(parent, ids[:-40])
@@ -73,14 +74,13 @@ def test_fork_outlives_its_parent_and_cleans_up_after_both(engine, document):
     child = parent.fork()
     parent.close()
     assert os.path.isdir(folder), "the fork still reads pages from the parent's folder"
-    assert engine.generate(ids, memory=child, max_new_tokens=8).token_ids == _fresh(engine, ids).token_ids
+    assert engine.generate(ids, memory=child, max_new_tokens=8).token_ids == reference.token_ids
     child.close()
     assert not os.path.exists(folder)
 
 
-def test_pool_reads_only_what_a_call_adds(engine, document):
+def test_pool_reads_only_what_a_call_adds(engine, document, reference):
     doc, ids = document
-    reference = _fresh(engine, ids)
     pool = MemoryPool(engine, engine.config)
     try:
         assert pool.read(ids[:-40]) == len(ids) - 40
