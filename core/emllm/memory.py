@@ -282,9 +282,18 @@ class EpisodicMemory:
         self.local_start += end
         return end
 
-    def segment(self, region: int) -> torch.Tensor:
-        """Event starts (window-relative, in (0, region)) for the first `region` window tokens."""
-        config = self.config
+    def segment(self, region: int, config: EMConfig | None = None) -> torch.Tensor:
+        """Event starts (window-relative, in (0, region)) for the first `region` window tokens.
+
+        ``config``: cut as another preset would on what this memory has read (the segmentation benchmark scores
+        several presets on one read). Surprise flags were thresholded when read, so gamma and tau must match.
+        """
+        config = config or self.config
+        if config.segmentation == "surprise" and (config.gamma, config.surprise_window) != (
+                self.config.gamma, self.config.surprise_window):
+            raise ValueError(f"surprise boundaries were thresholded with gamma={self.config.gamma}, "
+                             f"surprise_window={self.config.surprise_window} when read; segmenting with gamma="
+                             f"{config.gamma}, surprise_window={config.surprise_window} needs a memory read with those")
         if config.segmentation == "fixed":
             boundaries = segmentation.fixed_boundaries(region, config.max_block_size)
         else:

@@ -232,24 +232,52 @@ def conductance(adjacency: Tensor, boundaries: Tensor) -> float:
     """Paper Eq. 4: min over communities S of cut(S, V\\S) / min(vol(S), vol(V\\S)), vol = internal weight.
 
     vol(S) = sum_{i,j in S} A_ij as the paper defines it (not the usual sum of degrees). A community
-    whose denominator is 0 (e.g. the only community) scores inf. Lower is better. Block sums come from
-    E = M^T A M with M the one-hot membership [n, C]: a direct reference, not the refinement's path.
-    Volumes and cuts add non-negative blocks (no inclusion-exclusion), so an empty one is exactly 0.
+    whose denominator is 0 (e.g. the only community) scores inf. Lower is better. A direct reference from
+    the community block sums (`community_blocks`), not the refinement's path.
     """
-    a = adjacency.double()  # [n, n]
-    n = a.shape[0]
-    _check_boundaries(boundaries, n)
-    c = _labels(boundaries, n, a.device)  # [n]
-    m = torch.nn.functional.one_hot(c).double()  # [n, C]
-    e = m.T @ a @ m  # [C, C] e[p, q] = sum_{i in p, j in q} A_ij
-    other = 1.0 - torch.eye(e.shape[0], dtype=e.dtype, device=e.device)  # [C, C] 1 where p != S
-    # sums of the non-negative terms only (no subtraction), so an empty volume is exactly 0
-    vol_in = e.diagonal()  # [C] vol(S)
-    vol_out = torch.einsum("sp,pq,sq->s", other, e, other)  # [C] vol(V \ S)
-    cut = (e * other).sum(1)  # [C] sum_{i in S, j not in S} A_ij
+    _check_boundaries(boundaries, adjacency.shape[0])
+    return float(_conductance_of_blocks(community_blocks(adjacency.double(), boundaries)))
+
+
+def community_blocks(adjacency: Tensor, boundaries: Tensor) -> Tensor:
+    """E [..., C, C] with E[p, q] = sum_{i in p, j in q} A_ij for the contiguous partition, from
+    M^T A M with M the one-hot membership [n, C]. adjacency [..., n, n]; the dtype is the adjacency's.
+    Volumes and cuts are then sums of non-negative blocks (no inclusion-exclusion), so an empty one is 0."""
+    n = adjacency.shape[-1]
+    m = torch.nn.functional.one_hot(_labels(boundaries, n, adjacency.device)).to(adjacency.dtype)  # [n, C]
+    return m.T @ adjacency @ m
+
+
+def _conductance_of_blocks(e: Tensor) -> Tensor:
+    """[...] Eq. 4 from block sums e [..., C, C]."""
+    other = 1.0 - torch.eye(e.shape[-1], dtype=e.dtype, device=e.device)  # [C, C] 1 where p != S
+    vol_in = e.diagonal(dim1=-2, dim2=-1)  # [..., C] vol(S)
+    vol_out = torch.einsum("sp,...pq,sq->...s", other, e, other)  # [..., C] vol(V \ S)
+    cut = (e * other).sum(-1)  # [..., C] sum_{i in S, j not in S} A_ij
     denom = torch.minimum(vol_in, vol_out)
-    ratio = torch.where(denom > 0, cut / denom, torch.inf)
-    return float(ratio.min())
+    return torch.where(denom > 0, cut / denom, torch.inf).amin(-1)
+
+
+def partition_scores(adjacency: Tensor, boundaries: Tensor) -> dict[str, Tensor]:
+    """Modularity (Eq. 3), conductance (Eq. 4) and intra/inter similarity (Eq. 5) of one partition on many graphs.
+
+    adjacency [..., n, n] non-negative (e.g. one graph per layer and head, as the paper's Table 2 scores them);
+    returns float64 tensors [...]. Intra/inter is the mean over communities of intra(S) / inter(S), communities
+    with no outside weight left out (the ratio is undefined there); NaN when no community has any.
+    All three come from one set of block sums, so scoring a segmentation costs one M^T A M.
+    """
+    a = adjacency.double()
+    _check_boundaries(boundaries, a.shape[-1])
+    e = community_blocks(a, boundaries)  # [..., C, C]
+    two_m = e.sum(dim=(-2, -1))  # [...]
+    degree_out, degree_in = e.sum(-1), e.sum(-2)  # [..., C] summed degrees of each community
+    intra = e.diagonal(dim1=-2, dim2=-1)  # [..., C]
+    safe = torch.where(two_m > 0, two_m, 1.0)
+    q = (intra.sum(-1) - (degree_out * degree_in).sum(-1) / safe) / safe
+    inter = degree_out - intra
+    ratios = torch.where(inter > 0, intra / torch.where(inter > 0, inter, 1.0), torch.nan)
+    return {"modularity": torch.where(two_m > 0, q, 0.0), "conductance": _conductance_of_blocks(e),
+            "intra_inter": ratios.nanmean(-1)}
 
 
 # -----------------------------------------------------------------------------

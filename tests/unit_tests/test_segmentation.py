@@ -356,6 +356,49 @@ def test_modularity_conductance_match_loops(seed):
         assert seg.conductance(a, lt(bounds)) == pytest.approx(_loop_conductance(a.tolist(), labels), rel=1e-9)
 
 
+def _loop_intra_inter(a: list[list[float]], labels: list[int]) -> float:
+    n, ratios = len(a), []
+    for community in sorted(set(labels)):
+        inside = [labels[i] == community for i in range(n)]
+        intra = sum(a[i][j] for i in range(n) for j in range(n) if inside[i] and inside[j])
+        inter = sum(a[i][j] for i in range(n) for j in range(n) if inside[i] and not inside[j])
+        if inter > 0:
+            ratios.append(intra / inter)
+    return sum(ratios) / len(ratios) if ratios else math.nan
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partition_scores_match_the_single_graph_metrics_on_every_graph_of_a_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 9
+    graphs = torch.rand(2, 3, n, n, generator=g)  # e.g. [layers, heads, n, n]
+    graphs[0, 1] = graphs[0, 1] + graphs[0, 1].T
+    graphs[1, 2, :, 4:] = 0  # a graph where some communities have no outside weight
+    for bounds in ([3], [1, 4], [2, 3, 6], list(range(1, n))):
+        scores = seg.partition_scores(graphs, lt(bounds))
+        assert all(v.shape == (2, 3) and v.dtype == torch.float64 for v in scores.values())
+        for layer in range(2):
+            for head in range(3):
+                a = graphs[layer, head]
+                labels = _labels_of(bounds, n)
+                assert float(scores["modularity"][layer, head]) == pytest.approx(seg.modularity(a, lt(bounds)),
+                                                                                 abs=1e-9)
+                assert float(scores["conductance"][layer, head]) == pytest.approx(seg.conductance(a, lt(bounds)),
+                                                                                  rel=1e-9)
+                expected = _loop_intra_inter(a.tolist(), labels)
+                got = float(scores["intra_inter"][layer, head])
+                assert (math.isnan(got) and math.isnan(expected)) or got == pytest.approx(expected, rel=1e-9)
+
+
+def test_partition_scores_of_one_community_and_of_an_empty_graph():
+    a = torch.rand(1, 6, 6)
+    one = seg.partition_scores(a, lt([]))
+    assert float(one["modularity"][0]) == pytest.approx(0.0, abs=1e-12)  # no structure
+    assert float(one["conductance"][0]) == math.inf and math.isnan(float(one["intra_inter"][0]))
+    empty = seg.partition_scores(torch.zeros(1, 6, 6), lt([3]))
+    assert float(empty["modularity"][0]) == 0.0 and float(empty["conductance"][0]) == math.inf
+
+
 def test_two_cliques():
     n = 10
     a = torch.zeros(n, n)
