@@ -365,8 +365,12 @@ class EMEngine:
         try:
             self.read(memory, text, progress=progress)
             window = memory.layers[0].length
-            provisional = memory.segment(window) + memory.local_start if window else torch.empty(0, dtype=torch.long)
-            starts = torch.cat([memory.event_boundaries(), provisional])
+            none = torch.empty(0, dtype=torch.long)
+            provisional = memory.segment(window) + memory.local_start if window else none
+            # The window's first token opens an event once events were evicted before it (segment() lists only
+            # starts inside the window, after its first token).
+            window_start = torch.tensor([memory.local_start]) if window and memory.num_events else none
+            starts = torch.cat([memory.event_boundaries(), window_start, provisional])
             tokens = self.tokenizer.convert_ids_to_tokens(memory.token_ids)
             return Inspection(tokens=tokens, surprise=memory.surprise.clone(), event_starts=starts,
                               stats=memory.stats())

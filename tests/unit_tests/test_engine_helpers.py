@@ -312,3 +312,22 @@ def test_a_plain_read_segmented_as_a_preset_cuts_the_events_that_preset_cuts():
     assert read.segment(64, EMConfig.from_preset("F", **layout)).tolist() == list(range(8, 64, 8))
     with pytest.raises(ValueError, match="gamma=1.0.*needs a memory read with those"):
         read.segment(64, EMConfig.from_preset("S", **{**layout, "gamma": 0.5}))
+
+
+def test_inspection_lists_every_event_start_including_the_one_at_the_window():
+    """inspect() must report each stored event and the window's first event as separate events: a missing start
+    where the last stored event ends merged two events in the cookbook's event-size histogram."""
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    text = " ".join(f"t{i}" for i in token_ids(200, seed=6))
+    inspection = engine.inspect(text)
+    memory = engine.new_memory()
+    engine.read(memory, text)
+    assert memory.num_events > 0 and memory.layers[0].length > 0
+    expected = set(memory.event_boundaries().tolist()) | {memory.local_start}
+    starts = inspection.event_starts.tolist()
+    assert expected <= set(starts)
+    assert starts == sorted(set(starts))  # strictly increasing, no duplicate
+    sizes = torch.diff(torch.tensor(starts + [len(inspection.tokens)]))
+    assert int(sizes[:-1].max()) <= engine.config.max_block_size  # closed events keep the size limit
