@@ -379,6 +379,8 @@ def test_query_engine_over_32k_tokens_of_documents():
         chapters[i] = "\n\n".join(paragraphs)
     documents = [Document(text=text, metadata={"chapter": i}) for i, text in enumerate(chapters)]
 
+    # 1024/1024 on purpose: with 512/512, 256/512 or 256/1024 (chunks of 256) the model answered the Port Elling
+    # question with "4" for 4817 (measured 2026-11-22), so the lighter layouts of the other 32K tests do not fit here.
     engine = EMLLMQueryEngine.from_documents(documents, preset="S", n_local=1024, n_mem=1024, max_tokens=14)
     try:
         assert engine.context_tokens >= 32_768

@@ -19,7 +19,7 @@ from emllm.tasks import passkey_document
 TOKENS = 32_768
 DEPTHS = (0.1, 0.5, 0.9)
 # A lighter layout than the defaults keeps three depths x two methods within the suite's time budget.
-LAYOUT = dict(n_local=512, n_mem=512)
+LAYOUT = dict(n_local=256, n_mem=512, chunk_size=256)
 
 
 def _ask(engine: EMEngine, depth: float):
@@ -61,7 +61,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return int(differs[0]) if len(differs) else n
 
 
-@pytest.mark.slow(seconds=340)
+@pytest.mark.slow(seconds=300)
 @pytest.mark.parametrize("preset", ["S", "SM"])
 def test_episodic_memory_finds_the_key_at_three_depths(smol_bf16, preset):
     engine = EMEngine(*smol_bf16, EMConfig.from_preset(preset, **LAYOUT))

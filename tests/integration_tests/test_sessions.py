@@ -15,8 +15,9 @@ from emllm.tasks import passkey_document
 
 from .conftest import SMALL, make_engine
 
-# Small pages and a 24 MB RAM budget (16 pages): the older evicted pages go to disk, so sharing disk files between forks is tested.
-OFFLOAD = dict(page_tokens=128, ram_budget_mb=24)
+# Small pages (128 tokens, ~2.9 MB in bf16) and an 8 MB RAM budget (2 pages): of the ~900 tokens a 1,500-token
+# document evicts, most pages go to disk, so sharing disk files between forks is tested.
+OFFLOAD = dict(page_tokens=128, ram_budget_mb=8)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def engine(smol_bf16):
 
 @pytest.fixture(scope="module")
 def document(engine):
-    doc = passkey_document(3000, 0.4, engine.count_tokens, seed=3)
+    doc = passkey_document(1500, 0.4, engine.count_tokens, seed=3)
     return doc, engine.tokenize(doc.prompt)
 
 
