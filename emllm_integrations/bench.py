@@ -8,12 +8,16 @@ Graham essays; a depth x length heatmap), ``kv`` (infinity-Bench Retrieve.KV), `
 question answered by one of them). Methods: any EM-LLM preset (``S``, ``SM``, ``S+C``, ``SM+C``, ``F`` (InfLLM), ...),
 ``full`` (plain full attention) and the RAG baseline with MiniLM or mpnet embeddings (``rag-minilm``, ``rag-mpnet``).
 
-One prompt for every method: the task's context, then ``prompts.qa_suffix(question)`` tokenised apart, as in
-compare.py. EM-LLM and ``full`` read the context once into a fresh memory (the prefill), then read only the question
-(the query); when one document set has several questions (multidoc), each question forks the memory that read it,
-so the prompt extends what the memory has read and the context is never read twice. RAG chunks, embeds and indexes
-the context once (its prefill), then per question retrieves the top 5 chunks and has the same LLM read them under
-full attention (its query).
+One prompt for every method: the task's context, then ``prompts.probe_suffix(question, answer_lead)`` (the question
+and the start of its answer, as infinity-Bench's prompts end) tokenised apart, as in compare.py. EM-LLM and ``full``
+read the context once into a fresh memory (the prefill), then read only the question (the query); when one
+document set has several questions (kv: one JSON object, a key per depth; multidoc: one document set, a document per
+depth), each question forks the memory that read it, so the prompt extends what the memory has read and the context
+is never read twice. The passkey and needle documents of one length are one
+haystack with a needle per depth: ``EMEngine.read_each`` reads the haystack before each needle once and forks there,
+at a chunk boundary, so each memory is the one a separate read gives and each prefill time is what a separate read
+costs. RAG chunks, embeds and indexes the context once (its prefill), then per question retrieves the top 5 chunks
+and has the same LLM read them under full attention (its query).
 
 Peak RSS is a per-process number, so by default every (method, length) cell runs in its own subprocess: the
 ``peak_rss_mb`` of a row is the peak resident memory of the process that ran its cell (model weights, embedding
@@ -34,14 +38,14 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from emllm.cli import peak_rss_mb
 
-from .prompts import format_context, qa_suffix
+from .prompts import format_context, probe_suffix
 
 TASKS = ("passkey", "needle", "kv", "multidoc")
 RAG_METHODS = {"rag-minilm": "minilm", "rag-mpnet": "mpnet"}
@@ -55,6 +59,7 @@ EXTRAS = "pip install 'emllm-integrations[rag,langchain,llama-index,notebooks]'"
 ROW_FIELDS = ("task", "method", "length", "tokens", "depth", "question", "expected", "output", "correct",
               "prefill_seconds", "query_seconds", "decode_ms_per_token", "output_tokens", "tokens_read",
               "peak_rss_mb", "mean_event_size", "error")
+SETTINGS_FILE = "bench-settings.json"  # beside bench.json: what a resumed run must match
 _MESSAGE = "@@emllm-bench "  # marks the child's result lines on stdout (libraries may print there too)
 
 
@@ -81,7 +86,7 @@ class _Item:
     """One document set read once, and the questions asked about it."""
     task: str
     documents: tuple[str, ...]
-    questions: tuple[tuple[str, str, float], ...]  # (question, expected answer, depth)
+    questions: tuple[tuple[str, str, float, str], ...]  # (question, expected answer, depth, answer lead-in)
 
 
 # ---------------------------------------------------------------------------------------------- the public API
@@ -89,7 +94,9 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
               lengths: Sequence[int] = DEFAULT_LENGTHS, depths: Sequence[float] = DEFAULT_DEPTHS, *,
               model: str | None = None, dtype: str = "auto", seed: int = 0, max_new_tokens: int | None = None,
               engine_fields: dict[str, Any] | None = None, full_max_tokens: int = FULL_MAX_TOKENS,
-              isolate: bool = True, threads: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+              isolate: bool = True, threads: int | None = None, progress: bool = True,
+              done: Sequence[dict[str, Any]] = (),
+              on_cell: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Run every task x method x length x depth (x question) and return one row per question (keys ROW_FIELDS).
 
     ``engine_fields`` (e.g. ``n_local=1024, n_mem=1024``, or ``ram_budget_mb``/``offload_dir`` for inputs that do
@@ -97,6 +104,12 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
     longer than ``full_max_tokens`` are skipped (said on stderr). Every input is checked, and every extra the run
     needs is looked for, before any model is loaded: a long run does not fail at its end for a missing package.
     A cell that fails gives rows with ``error`` set and ``correct`` False rather than ending the run.
+
+    A table of many hours is built in pieces: ``done`` takes the rows of earlier runs with the same settings (see
+    ``load_done``); a task of a (method, length) cell whose every depth was answered without error there is not run
+    again, and its rows lead the returned ones. ``on_cell`` gets every row so far after each cell, e.g. to write
+    the report as the run goes, so a run stopped after hours keeps what it measured. Earlier rows of cells this run
+    does not ask for are kept too: the table grows run by run.
     """
     tasks, methods = _check_names("task", tasks, TASKS), _check_methods(methods)
     lengths, depths = _check_lengths(lengths), _check_depths(depths)
@@ -122,12 +135,19 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
                       f"{full_max_tokens:,}: raise it to run this cell)", file=sys.stderr)
                 continue
             cells.append((method, length))
-    rows: list[dict[str, Any]] = []
-    per_cell = len(tasks) * len(depths)
-    with tqdm(total=len(cells) * per_cell, desc="bench", unit="question", disable=not progress,
-              dynamic_ncols=True) as bar:
-        for method, length in cells:
+    finished = _finished_tasks(done, depths)
+    todo = [(method, length, [t for t in tasks if (t, method, length) not in finished]) for method, length in cells]
+    todo = [(method, length, cell_tasks) for method, length, cell_tasks in todo if cell_tasks]
+    rerun = {(task, method, length) for method, length, cell_tasks in todo for task in cell_tasks}
+    rows: list[dict[str, Any]] = [dict(r) for r in done if (r["task"], r["method"], r["length"]) not in rerun]
+    if len(todo) < len(cells):
+        print(f"resuming: {len(cells) - len(todo)} of {len(cells)} (method, length) cells were already measured, "
+              f"{len(rows)} rows kept", file=sys.stderr)
+    with tqdm(total=sum(len(cell_tasks) for *_, cell_tasks in todo) * len(depths), desc="bench", unit="question",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for method, length, cell_tasks in todo:
             bar.set_postfix(method=method, tokens=length, refresh=True)
+            cell_settings = replace(settings, tasks=tuple(cell_tasks))
 
             def emit(row: dict[str, Any]) -> None:
                 rows.append(row)
@@ -140,22 +160,73 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
 
             start = len(rows)
             if isolate:
-                peak = _run_cell_in_subprocess(method, length, settings, emit)
+                peak = _run_cell_in_subprocess(method, length, cell_settings, emit)
             else:
-                peak = run_cell(method, length, settings, emit)
+                peak = run_cell(method, length, cell_settings, emit)
             if isinstance(peak, float):  # the cell's final peak, for every row it answered
                 for row in rows[start:]:
                     if not row["error"]:
                         row["peak_rss_mb"] = peak
+            per_cell = len(cell_tasks) * len(depths)
             missing = per_cell - (len(rows) - start)
             if missing > 0:  # the cell's process died before answering everything (e.g. killed for memory)
                 reason = getattr(peak, "error", None) or "the cell ended before answering these questions"
-                for task, depth in _expected_keys(settings)[per_cell - missing:]:
+                for task, depth in _expected_keys(cell_settings)[per_cell - missing:]:
                     emit(_error_row(task, method, length, depth, reason))
+            if on_cell is not None:
+                on_cell(list(rows))
     return rows
 
 
-def write_report(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> dict[str, pathlib.Path]:
+def settings_record(settings: BenchSettings) -> dict[str, Any]:
+    """What must match for rows of two runs to sit in one table (threads change times, not answers: left out)."""
+    return {"model": settings.model, "dtype": settings.dtype, "seed": settings.seed,
+            "max_new_tokens": settings.max_new_tokens, "engine_fields": dict(settings.engine_fields),
+            "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc}
+
+
+def load_done(out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows an earlier run wrote to ``out_dir``, refused (naming the difference) when that run's settings
+    (its bench-settings.json) differ from ``settings`` (a ``settings_record``): mixing them would make one table
+    of two experiments. No earlier run there: no rows."""
+    out = pathlib.Path(out_dir)
+    rows_path, settings_path = out / "bench.json", out / SETTINGS_FILE
+    if not rows_path.exists():
+        return []
+    if not settings_path.exists():
+        raise ValueError(f"{rows_path} has no {SETTINGS_FILE} beside it, so its settings are unknown: resume into a "
+                         "folder an `emllm bench` run of this version wrote, or choose a new --out.")
+    try:
+        earlier = json.loads(settings_path.read_text(encoding="utf-8"))
+        rows = json.loads(rows_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"Cannot resume from {out}: {error}. Choose a new --out or repair the file.") from None
+    differing = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
+    if differing:
+        named = "; ".join(f"{k}: earlier {a!r}, now {b!r}" for k, (a, b) in differing.items())
+        raise ValueError(f"Cannot resume into {out}: its rows were measured with other settings ({named}). Use the "
+                         "same settings, or a new --out for a new experiment.")
+    if not isinstance(rows, list) or any(not isinstance(r, dict) or set(ROW_FIELDS) - set(r) for r in rows):
+        raise ValueError(f"{rows_path} does not hold bench rows: choose a new --out.")
+    return rows
+
+
+def _finished_tasks(done: Sequence[dict[str, Any]], depths: Sequence[float]) -> set[tuple[str, str, int]]:
+    """(task, method, length) of earlier rows that answered every requested depth without error."""
+    answered: dict[tuple[str, str, int], set[float]] = {}
+    failed: set[tuple[str, str, int]] = set()
+    for row in done:
+        key = (row["task"], row["method"], row["length"])
+        if row["error"]:
+            failed.add(key)
+        else:
+            answered.setdefault(key, set()).add(round(float(row["depth"]), 6))
+    wanted = {round(float(d), 6) for d in depths}
+    return {key for key, got in answered.items() if key not in failed and wanted <= got}
+
+
+def write_report(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike,
+                 settings: dict[str, Any] | None = None) -> dict[str, pathlib.Path]:
     """Write bench.json (the rows), bench.md (an accuracy summary per task x method x length, then every row) and
     PNG figures into ``out_dir``; returns {name: path}. Figures: accuracy by length per method (one panel per
     task), a depth x length accuracy heatmap per method for the needle task, and prefill time, time per query,
@@ -170,10 +241,20 @@ def write_report(rows: Sequence[dict[str, Any]], out_dir: str | os.PathLike) -> 
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
-    paths["json"].write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-    paths["markdown"].write_text(markdown(rows) + "\n", encoding="utf-8")
+    if settings is not None:  # what a later `--resume` into this folder must match
+        paths["settings"] = out / SETTINGS_FILE
+        _write_atomically(paths["settings"], json.dumps(settings, indent=1) + "\n")
+    _write_atomically(paths["json"], json.dumps(rows, indent=1) + "\n")
+    _write_atomically(paths["markdown"], markdown(rows) + "\n")
     paths.update(_plots(rows, out))
     return paths
+
+
+def _write_atomically(path: pathlib.Path, text: str) -> None:
+    """The report is rewritten after every cell: a run stopped mid-write must leave the previous file whole."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -193,9 +274,30 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def accuracy_grid(rows: Sequence[dict[str, Any]]) -> str:
+    """Accuracy at a glance: one line per method, one column per (task, length), as "correct/asked"; a cell with
+    failed questions is marked "!" (see the rows' ``error``)."""
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (tasks.index(c[0]), c[1]))
+    cells: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        cells.setdefault((row["method"], row["task"], row["length"]), []).append(row)
+    lines = ["| method | " + " | ".join(f"{task} {_short(length)}" for task, length in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        entries = []
+        for task, length in columns:
+            group = cells.get((method, task, length), [])
+            mark = "!" if any(r["error"] for r in group) else ""
+            entries.append(f"{sum(bool(r['correct']) for r in group)}/{len(group)}{mark}" if group else "–")
+        lines.append(f"| {method} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The accuracy summary, then one line per question."""
-    lines = ["## Accuracy by task, method and length", "",
+    """Accuracy at a glance, the accuracy summary with the measurements, then one line per question."""
+    lines = ["## Accuracy at a glance (correct / asked)", "", accuracy_grid(rows), "",
+             "## Accuracy by task, method and length", "",
              "| task | method | length | tokens | accuracy | questions | prefill s | s / query | decode ms/token | "
              "peak RSS MB | mean event |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in summary(rows):
@@ -272,52 +374,66 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
             for depth in settings.depths:
                 emit(_error_row(task, method, length, depth, _describe(error)))
             continue
+        if method not in RAG_METHODS:
+            _answer_engine(items, method, length, engine, settings, emit)
+            continue
         for item in items:
+            answered = []  # the rows this item got before any failure
+
+            def emit_answer(row: dict[str, Any]) -> None:
+                answered.append(row)
+                emit(row)
+
             try:
-                if method in RAG_METHODS:
-                    if not rag_warm:
-                        _warm_rag(RAG_METHODS[method], engine, settings)
-                        rag_warm = True
-                    answered = _answer_rag(item, method, length, engine, settings, emit)
-                else:
-                    answered = _answer_engine(item, method, length, engine, settings, emit)
-            except Exception as error:  # one failed document (say, a disk budget) must not end the whole run
-                answered = 0
-                reason = _describe(error)
-            else:
-                reason = ""
-            for question, answer, depth in item.questions[answered:]:
-                emit(_error_row(task, method, length, depth, reason or "not answered", question, answer))
+                if not rag_warm:
+                    _warm_rag(RAG_METHODS[method], engine, settings)
+                    rag_warm = True
+                _answer_rag(item, method, length, engine, settings, emit_answer)
+            except Exception as error:  # one failed document must not end the whole run
+                _emit_unanswered(item, len(answered), _describe(error), method, length, emit)
     return peak_rss_mb()
 
 
-def _answer_engine(item: _Item, method: str, length: int, engine: Any, settings: BenchSettings,
-                   emit: Callable[[dict[str, Any]], None]) -> int:
-    context_ids = engine.tokenize(format_context(list(item.documents)))
-    memory = engine.new_memory()
-    answered = 0
-    try:
-        started = time.perf_counter()
-        engine.read(memory, context_ids)
-        prefill = time.perf_counter() - started
-        event_size = memory.stats()["mean_event_size"] if method != "full" else None
-        for question, expected, depth in item.questions:
-            # Each question continues from the memory that read the context: a fork when more questions follow
-            # (the answer's tokens would otherwise be read into it and the next prompt would not extend it).
-            asking = memory.fork() if len(item.questions) > 1 else memory
+def _answer_engine(items: Sequence[_Item], method: str, length: int, engine: Any, settings: BenchSettings,
+                   emit: Callable[[dict[str, Any]], None]) -> None:
+    """Answer every item's questions, each document read once (engine.read_each shares the reading of documents
+    that begin alike, as one haystack with needles at several depths does, and times each as if read alone)."""
+    contexts = [engine.tokenize(format_context(list(item.documents))) for item in items]
+    reads = engine.read_each(contexts)
+    for index, (item, context_ids) in enumerate(zip(items, contexts)):
+        answered = 0
+        try:
+            memory, prefill = next(reads)
             try:
-                ids = context_ids + engine.tokenize(qa_suffix(question))
-                result = engine.generate(ids, memory=asking, max_new_tokens=_max_new(settings, engine, expected))
+                event_size = memory.stats()["mean_event_size"] if method != "full" else None
+                for question, expected, depth, lead in item.questions:
+                    # Each question continues from the memory that read the context: a fork when more questions
+                    # follow (the answer's tokens would otherwise be read into it and the next prompt would not
+                    # extend it).
+                    asking = memory.fork() if len(item.questions) > 1 else memory
+                    try:
+                        ids = context_ids + engine.tokenize(probe_suffix(question, lead))
+                        result = engine.generate(ids, memory=asking,
+                                                 max_new_tokens=_max_new(settings, engine, expected))
+                    finally:
+                        if asking is not memory:
+                            asking.close()
+                    emit(_row(item.task, method, length, len(ids), depth, question, expected, result.text,
+                              prefill, result.prefill_seconds, result.decode_seconds, result.output_tokens,
+                              result.new_input_tokens, event_size))
+                    answered += 1
             finally:
-                if asking is not memory:
-                    asking.close()
-            emit(_row(item.task, method, length, len(ids), depth, question, expected, result.text,
-                      prefill, result.prefill_seconds, result.decode_seconds, result.output_tokens,
-                      result.new_input_tokens, event_size))
-            answered += 1
-    finally:
-        memory.close()
-    return answered
+                memory.close()
+        except Exception as error:  # one failed document (say, a disk budget) must not end the whole run
+            _emit_unanswered(item, answered, _describe(error), method, length, emit)
+            reads.close()
+            reads = engine.read_each(contexts[index + 1:])  # the shared reading broke off: start afresh
+
+
+def _emit_unanswered(item: _Item, answered: int, reason: str, method: str, length: int,
+                     emit: Callable[[dict[str, Any]], None]) -> None:
+    for question, answer, depth, _ in item.questions[answered:]:
+        emit(_error_row(item.task, method, length, depth, reason or "not answered", question, answer))
 
 
 def _warm_rag(embedding: str, engine: Any, settings: BenchSettings) -> None:
@@ -338,9 +454,10 @@ def _answer_rag(item: _Item, method: str, length: int, engine: Any, settings: Be
     prefill = time.perf_counter() - started
     tokens = len(engine.tokenize(format_context(list(item.documents))))
     answered = 0
-    for question, expected, depth in item.questions:
-        answer = rag.answer(question, _max_new(settings, engine, expected))
-        emit(_row(item.task, method, length, tokens + len(engine.tokenize(qa_suffix(question))), depth, question,
+    for question, expected, depth, lead in item.questions:
+        suffix = probe_suffix(question, lead)
+        answer = rag.answer(question, _max_new(settings, engine, expected), suffix=suffix)
+        emit(_row(item.task, method, length, tokens + len(engine.tokenize(suffix)), depth, question,
                   expected, answer.text, prefill, answer.retrieve_seconds + answer.prefill_seconds,
                   answer.decode_seconds, answer.output_tokens, answer.input_tokens, None))
         answered += 1
@@ -355,13 +472,17 @@ def _items(task: str, length: int, settings: BenchSettings, count_tokens: Callab
         qa = builders.multidoc_documents(length, list(settings.depths), count_tokens,
                                          seed=_seed(settings.seed, task, length, -1.0),
                                          doc_tokens=min(settings.multidoc_tokens_per_doc, length))
-        return [_Item(task, qa.documents, tuple((q.question, q.answer, q.depth) for q in qa.questions))]
-    build = {"passkey": builders.passkey_document, "needle": builders.needle_document,
-             "kv": builders.kv_document}[task]
+        return [_Item(task, qa.documents, tuple((q.question, q.answer, q.depth, q.answer_lead)
+                                                for q in qa.questions))]
+    if task == "kv":  # one JSON object per length, a question per depth (a pair further in): read once
+        docs = [builders.kv_document(length, depth, count_tokens, seed=_seed(settings.seed, task, length, -1.0))
+                for depth in settings.depths]
+        return [_Item(task, (docs[0].context,), tuple((d.question, d.answer, d.depth, d.answer_lead) for d in docs))]
+    build = {"passkey": builders.passkey_document, "needle": builders.needle_document}[task]
     items = []
-    for depth in settings.depths:
+    for depth in settings.depths:  # one haystack, a needle (with its own answer) per depth: see engine.read_each
         doc = build(length, depth, count_tokens, seed=_seed(settings.seed, task, length, depth))
-        items.append(_Item(task, (doc.context,), ((doc.question, doc.answer, depth),)))
+        items.append(_Item(task, (doc.context,), ((doc.question, doc.answer, depth, doc.answer_lead),)))
     return items
 
 

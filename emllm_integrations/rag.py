@@ -373,28 +373,35 @@ class RAGBaseline:
         """Chunks in the order they enter the prompt (see the module docstring)."""
         return sorted(chunks, key=lambda c: (c.doc_id, c.chunk_id)) if self.context_order == "document" else chunks
 
-    def prompt_ids(self, chunks: list[Chunk], question: str) -> list[int]:
+    def prompt_ids(self, chunks: list[Chunk], question: str, suffix: str | None = None) -> list[int]:
         """The prompt's token ids: the context and the question suffix tokenised apart, exactly as EM-LLM's side
         of a comparison builds its prompt, so both read the same template the same way."""
         engine = self.engine
-        return engine.tokenize(format_context([c.text for c in chunks])) + engine.tokenize(qa_suffix(question))
+        return engine.tokenize(format_context([c.text for c in chunks])) + engine.tokenize(
+            qa_suffix(question) if suffix is None else suffix)
 
     def answer(self, question: str, max_new_tokens: int = 64, *, top_k: int | None = None,
-               **sampling: Any) -> RAGAnswer:
-        """Retrieve, build the shared QA prompt, and generate with plain full attention (greedy by default)."""
+               suffix: str | None = None, **sampling: Any) -> RAGAnswer:
+        """Retrieve, build the shared QA prompt, and generate with plain full attention (greedy by default).
+
+        ``suffix``: what follows the retrieved context instead of ``qa_suffix(question)`` (the benchmark's probes
+        end with the question and an answer lead-in, prompts.probe_suffix); retrieval still uses the question."""
         from emllm import EMConfig
 
         started = time.perf_counter()
         chunks = self.order(self.retrieve(question, top_k))
         retrieve_seconds = time.perf_counter() - started
         engine = self.engine
-        ids = self.prompt_ids(chunks, question)
+        if suffix is not None and (not isinstance(suffix, str) or not suffix.strip()):
+            raise ValueError(f"suffix must be non-empty text to follow the context, got {suffix!r}.")
+        ids = self.prompt_ids(chunks, question, suffix)
         memory = engine.new_memory(EMConfig.from_preset("full"))
         try:
             result = engine.generate(ids, memory=memory, max_new_tokens=max_new_tokens, **sampling)
         finally:
             memory.close()
-        prompt = qa_prompt(format_context([c.text for c in chunks]), question)
+        context = format_context([c.text for c in chunks])
+        prompt = qa_prompt(context, question) if suffix is None else context + suffix
         return RAGAnswer(text=result.text, chunks=chunks, prompt=prompt, finish_reason=result.finish_reason,
                          input_tokens=result.input_tokens, output_tokens=result.output_tokens,
                          retrieve_seconds=retrieve_seconds, prefill_seconds=result.prefill_seconds,

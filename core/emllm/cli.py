@@ -99,7 +99,8 @@ def chat(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     # Imported here: the benchmark's RAG methods and figures need the integrations' extras, the engine does not.
     try:
-        from emllm_integrations.bench import BenchRequirementError, markdown, run_bench, summary, write_report
+        from emllm_integrations.bench import (BenchRequirementError, BenchSettings, load_done, markdown, run_bench,
+                                              settings_record, summary, write_report)
     except ImportError as error:
         print(f"emllm bench: the benchmark lives in the emllm_integrations package, which could not be imported "
               f"({error}). Install it with its extras: pip install 'emllm-integrations[rag,langchain,llama-index,"
@@ -107,10 +108,20 @@ def bench(args: argparse.Namespace) -> int:
         return 2
     fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir")
               if getattr(args, name, None) is not None}
+    record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, seed=args.seed,
+                                           max_new_tokens=args.max_new_tokens, engine_fields=fields))
     try:
+        if args.resume:
+            done = load_done(args.out, record)
+        elif os.path.exists(os.path.join(args.out, "bench.json")):
+            raise ValueError(f"{args.out} already holds a bench.json: pass --resume to add this run's cells to it "
+                             "(cells already measured are skipped), or give another --out.")
+        else:
+            done = []
         rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, seed=args.seed,
                          max_new_tokens=args.max_new_tokens, engine_fields=fields,
-                         full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads)
+                         full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads,
+                         done=done, on_cell=lambda so_far: write_report(so_far, args.out, record))
     except BenchRequirementError as error:
         print(f"emllm bench: {error}", file=sys.stderr)
         return 2
@@ -120,7 +131,7 @@ def bench(args: argparse.Namespace) -> int:
     if not rows:
         print("emllm bench: every cell was skipped; nothing to report.", file=sys.stderr)
         return 2
-    paths = write_report(rows, args.out)
+    paths = write_report(rows, args.out, record)
     print(markdown(rows).split("\n\n## Every question")[0])
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     failed = sum(s["errors"] for s in summary(rows))
@@ -197,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="EM-LLM: RAM for evicted KV; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")
     p_bench.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own)")
+    p_bench.add_argument("--resume", action="store_true",
+                         help="add to the results already in --out (same settings): measured cells are skipped; the "
+                              "report is rewritten after every cell either way")
     p_bench.add_argument("--in-process", dest="in_process", action="store_true",
                          help="run every cell in this process (faster to start; peak RSS then only grows)")
     p_bench.set_defaults(run=bench)

@@ -6,8 +6,9 @@
 - kv_document: infinity-Bench Retrieve.KV (a JSON object of UUID keys and values, ask for one value);
 - multidoc_documents: many short documents, each question answered by exactly one of them.
 
-Each gives its context and question apart (``context``, ``question``) so a benchmark can put every method's
-prompt in one template; the engine needs no framework for any of this.
+Each gives its context, question and answer lead-in apart (``context``, ``question``, ``answer_lead``: the start of
+the answer, which the model completes, as infinity-Bench's prompts end) so a benchmark can put every method's prompt
+in one template; the engine needs no framework for any of this.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ PASSKEY_INSTRUCTION = ("There is an important info hidden inside a lot of irrele
 PASSKEY_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
 PASSKEY_QA_QUESTION = "What is the pass key?"  # the question alone, for a prompt template that adds its own framing
+PASSKEY_ANSWER_LEAD = "The pass key is"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class PasskeyDocument:
     @property
     def question(self) -> str:
         return PASSKEY_QA_QUESTION
+
+    @property
+    def answer_lead(self) -> str:
+        """The start of the answer, which the model completes (infinity-Bench ends its prompt this way)."""
+        return PASSKEY_ANSWER_LEAD
 
 
 def passkey_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int],
@@ -192,6 +199,7 @@ def _grow(count_tokens: Callable[[str], int], num_tokens: int, build: Callable[[
 # ---------------------------------------------------------------------------------------------------------------
 NEEDLE_TEMPLATE = "The magic number for the San Francisco trip is {answer}."
 NEEDLE_QUESTION = "What is the magic number for the San Francisco trip?"
+NEEDLE_ANSWER_LEAD = "The magic number for the San Francisco trip is"
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,7 @@ class NeedleDocument:
     depth: float    # requested depth, 0 = start, 1 = end (the needle sits at the nearest sentence boundary)
     needle: str     # the inserted sentence
     needle_offset: int  # its character offset in ``context``
+    answer_lead: str = NEEDLE_ANSWER_LEAD  # the start of the answer, which the model completes
 
 
 def needle_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int],
@@ -239,6 +248,11 @@ class KVDocument:
     key: str
     depth: float    # requested depth; the pair asked for is pair number round(depth * (pairs - 1))
     num_pairs: int
+
+    @property
+    def answer_lead(self) -> str:
+        """The start of the answer, which the model completes (infinity-Bench's Retrieve.KV prompt ends so)."""
+        return f'The value associated with the key "{self.key}" is'
 
 
 def kv_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int], seed: int = 0) -> KVDocument:
@@ -282,6 +296,7 @@ _KINDS = ("Society", "Foundation", "Observatory", "Cooperative", "Museum", "Acad
           "Library", "Guild", "Laboratory", "Expedition")
 MULTIDOC_FACT = "The registration number of the {entity} is {answer}."
 MULTIDOC_QUESTION = "What is the registration number of the {entity}?"
+MULTIDOC_ANSWER_LEAD = "The registration number of the {entity} is"
 
 
 @dataclass(frozen=True)
@@ -290,6 +305,7 @@ class MultiDocQuestion:
     answer: str       # a 6-digit number stated in exactly one document
     doc_index: int    # the document that states it
     depth: float      # the requested depth that chose the document: doc_index = round(depth * (documents - 1))
+    answer_lead: str = ""  # the start of the answer, which the model completes
 
 
 @dataclass(frozen=True)
@@ -361,5 +377,6 @@ def multidoc_documents(num_tokens: int, depths: Sequence[float], count_tokens: C
                              "further apart, more num_tokens or a smaller doc_tokens.")
         chosen[index] = depth
         entity, answer = facts[index]
-        questions.append(MultiDocQuestion(MULTIDOC_QUESTION.format(entity=entity), answer, index, depth))
+        questions.append(MultiDocQuestion(MULTIDOC_QUESTION.format(entity=entity), answer, index, depth,
+                                          MULTIDOC_ANSWER_LEAD.format(entity=entity)))
     return MultiDocQA(tuple(docs), tuple(questions))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from emllm import EMConfig, EMEngine
 from emllm.tasks import passkey_document
@@ -34,31 +33,17 @@ def _ask(engine: EMEngine, depth: float):
 def _ask_at_every_depth(engine: EMEngine):
     """One document per depth, each answered from a memory that read exactly that document.
 
-    The documents are one haystack up to their needles, so the haystack before each needle is read once and the
-    memory forked there. Forks happen at chunk boundaries, so every forward is the one a whole-document read makes
-    and the answers are those of separate reads; the reading drops from 3 documents to about 2.4.
+    The documents are one haystack up to their needles: engine.read_each reads the haystack before each needle once
+    and forks the memory there, at a chunk boundary, so the answers are those of separate reads while the reading
+    drops from 3 documents to about 2.4.
     """
     docs = [passkey_document(TOKENS, depth, engine.count_tokens, seed=int(depth * 1000)) for depth in DEPTHS]
     ids = [engine.tokenize(doc.prompt) for doc in docs]
-    chunk = engine.config.chunk_size
-    trunk = engine.new_memory()
     answers = []
-    for index, (doc, doc_ids) in enumerate(zip(docs, ids)):
-        if index + 1 < len(docs):
-            shared = _common_prefix(doc_ids, ids[index + 1]) // chunk * chunk
-            engine.read(trunk, doc_ids[trunk.total_tokens:shared])
-            memory = trunk.fork()
-        else:
-            memory = trunk
+    for doc, doc_ids, (memory, _) in zip(docs, ids, engine.read_each(ids)):
         answers.append((doc, engine.generate(doc_ids, memory=memory, max_new_tokens=8), memory.num_events))
         memory.close()
     return answers
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    differs = (torch.tensor(a[:n]) != torch.tensor(b[:n])).nonzero()
-    return int(differs[0]) if len(differs) else n
 
 
 @pytest.mark.slow(seconds=300)

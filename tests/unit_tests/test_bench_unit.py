@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -122,3 +123,82 @@ def test_cli_refuses_bad_lengths_and_unknown_methods(capsys):
         _length("4Q")
     assert main(["bench", "--tasks", "passkey", "--methods", "S", "rag-bert", "--lengths", "1K"]) == 2
     assert "Unknown method 'rag-bert'" in capsys.readouterr().err
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def test_kv_asks_every_depth_of_one_json_object_and_every_probe_ends_with_its_answer_lead():
+    settings = bench.BenchSettings(("kv",), (0.1, 0.5, 0.9))
+    (item,) = bench._items("kv", 600, settings, _words)  # one object read once, a question per depth
+    assert [q[2] for q in item.questions] == [0.1, 0.5, 0.9]
+    keys = [q[0].split('"')[1] for q in item.questions]
+    assert len(set(keys)) == 3 and all(item.documents[0].count(k) == 1 for k in keys)
+    assert all(item.documents[0].index(f'"{k}": "{q[1]}"') >= 0 for k, q in zip(keys, item.questions))
+    for question, _, _, lead in item.questions:
+        assert bench.probe_suffix(question, lead).endswith(f'{question} The value associated with the key "'
+                                                           f'{question.split(chr(34))[1]}" is')
+    passkeys = bench._items("passkey", 600, replace(settings, tasks=("passkey",)), _words)
+    assert len(passkeys) == 3 and len({i.questions[0][1] for i in passkeys}) == 3  # a key per depth
+    assert {i.questions[0][3] for i in passkeys} == {"The pass key is"}
+
+
+def test_resume_skips_measured_cells_and_keeps_every_earlier_row(capsys):
+    done = [_row("passkey", "S", 1024, d, True) for d in (0.1, 0.9)] + [_row("kv", "F", 2048, 0.5, False)]
+    calls = []
+    rows = run_bench(["passkey"], ["S"], [1024], [0.1, 0.9], done=done, isolate=False, progress=False,
+                     on_cell=calls.append)
+    assert rows == done and calls == []  # nothing left to run: no model loaded, no cell written
+    assert "1 of 1 (method, length) cells were already measured" in capsys.readouterr().err
+
+
+def test_failed_or_missing_depths_are_run_again():
+    finished = bench._finished_tasks(
+        [_row("passkey", "S", 1024, 0.1, True), _row("passkey", "S", 1024, 0.9, False),  # complete (wrong is fine)
+         _row("kv", "S", 1024, 0.1, True), _row("kv", "S", 1024, 0.9, False, error="killed"),  # an error
+         _row("needle", "S", 1024, 0.1, True)], [0.1, 0.9])  # a depth missing
+    assert finished == {("passkey", "S", 1024)}
+
+
+def test_resume_refuses_rows_measured_with_other_settings(tmp_path):
+    settings = bench.settings_record(bench.BenchSettings(("passkey",), (0.5,), engine_fields={"n_local": 256}))
+    write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path, settings)
+    assert bench.load_done(tmp_path, settings)[0]["method"] == "S"
+    other = dict(settings, engine_fields={"n_local": 512})
+    with pytest.raises(ValueError, match="engine_fields: earlier {'n_local': 256}, now {'n_local': 512}"):
+        bench.load_done(tmp_path, other)
+    (tmp_path / bench.SETTINGS_FILE).unlink()
+    with pytest.raises(ValueError, match="has no bench-settings.json beside it"):
+        bench.load_done(tmp_path, settings)
+    assert bench.load_done(tmp_path / "empty", settings) == []  # nothing there yet: a fresh start
+
+
+def test_cli_will_not_overwrite_earlier_results_without_resume(tmp_path, capsys):
+    write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path)
+    assert main(["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(tmp_path)]) == 2
+    assert "already holds a bench.json: pass --resume" in capsys.readouterr().err
+    before = (tmp_path / "bench.json").read_text()
+    assert main(["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--depths", "0.5", "--out",
+                 str(tmp_path), "--resume"]) == 2  # written without settings: refused, named
+    assert "has no bench-settings.json" in capsys.readouterr().err
+    assert (tmp_path / "bench.json").read_text() == before
+
+
+@pytest.mark.parametrize("question, lead, message", [
+    ("", "The pass key is", "question must be non-empty"),
+    ("What is the pass key?", " ", "answer lead-in must be non-empty"),
+])
+def test_probe_suffix_refuses_an_empty_question_or_lead(question, lead, message):
+    with pytest.raises(ValueError, match=message):
+        bench.probe_suffix(question, lead)
+
+
+def test_accuracy_grid_counts_per_method_task_and_length_and_marks_failures():
+    rows = ROWS + [_row("needle", "F", 1024, 0.1, False, error="killed")]
+    grid = bench.accuracy_grid(rows).splitlines()
+    assert grid[0] == "| method | needle 1K | needle 2K | kv 1K |"
+    assert grid[2] == "| S | 2/2 | 2/2 | 1/2 |"
+    assert grid[3] == "| rag-minilm | 1/2 | 1/2 | – |"
+    assert grid[4] == "| F | 0/1! | – | – |"
+    assert bench.markdown(rows).startswith("## Accuracy at a glance")

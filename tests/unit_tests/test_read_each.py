@@ -1,0 +1,87 @@
+"""EMEngine.read_each: documents that begin alike share their reading, yet each memory is the one a separate read
+gives (same tokens, events, last logits, answer), and no memory is left open."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .tiny import tiny_engine, token_ids
+
+NEEDLE = [5, 6, 7, 8, 9]
+
+
+def _haystack_documents(depths=(0.1, 0.5, 0.9), length=200):
+    """One haystack with the needle at each depth: identical up to their needles, as the benchmark's are."""
+    hay = token_ids(length, seed=3)
+    return [hay[:round(d * length)] + NEEDLE + hay[round(d * length):] for d in depths]
+
+
+def _assert_same_state(shared, alone, engine):
+    assert shared.token_ids == alone.token_ids
+    assert torch.equal(shared.event_starts, alone.event_starts)
+    assert torch.equal(shared.event_sizes, alone.event_sizes)
+    assert torch.equal(shared.last_logits, alone.last_logits)
+    follow = shared.token_ids + [11, 12, 13]
+    assert (engine.generate(follow, memory=shared, max_new_tokens=6).token_ids
+            == engine.generate(follow, memory=alone, max_new_tokens=6).token_ids)
+
+
+def _counting_reads(engine, monkeypatch) -> list[int]:
+    """Record how many tokens each engine.read call reads (the real read still runs)."""
+    counts: list[int] = []
+    real_read = engine.read
+
+    def read(memory, ids, **kwargs):
+        counts.append(len(ids))
+        return real_read(memory, ids, **kwargs)
+
+    monkeypatch.setattr(engine, "read", read)
+    return counts
+
+
+@pytest.mark.parametrize("preset", ["S", "SM+C", "full"])
+def test_each_memory_equals_a_separate_read_and_the_haystack_is_read_once(preset, monkeypatch):
+    engine = tiny_engine(preset)
+    docs = _haystack_documents()
+    alone = []
+    for ids in docs:
+        memory = engine.new_memory()
+        engine.read(memory, ids)
+        alone.append(memory)
+    counts = _counting_reads(engine, monkeypatch)
+    seen = 0
+    for (memory, seconds), ids, reference in zip(engine.read_each(docs), docs, alone):
+        assert seconds > 0
+        assert memory.num_events > 0 or preset == "full"
+        _assert_same_state(memory, reference, engine)
+        memory.close()
+        reference.close()
+        seen += 1
+    assert seen == len(docs)
+    # The haystack before the last needle is read once: far less than three whole documents.
+    chunk = engine.config.chunk_size
+    assert sum(counts) < sum(map(len, docs)) - 2 * (round(0.1 * 200) // chunk * chunk)
+    assert sum(counts) >= len(docs[-1])
+    assert not [m for m in engine._memories if not m.closed]
+
+
+def test_documents_that_do_not_share_a_prefix_are_read_separately_and_correctly():
+    engine = tiny_engine("S")
+    docs = [token_ids(120, seed=1), token_ids(90, seed=2), token_ids(120, seed=1)[:70] + [4] * 30]
+    for (memory, _), ids in zip(engine.read_each(docs), docs):
+        reference = engine.new_memory()
+        engine.read(reference, ids)
+        _assert_same_state(memory, reference, engine)
+        memory.close()
+        reference.close()
+    assert not [m for m in engine._memories if not m.closed]
+
+
+def test_stopping_early_closes_the_shared_trunk():
+    engine = tiny_engine("S")
+    reads = engine.read_each(_haystack_documents())
+    memory, _ = next(reads)
+    memory.close()
+    reads.close()  # the caller stops after the first document
+    assert not [m for m in engine._memories if not m.closed]
