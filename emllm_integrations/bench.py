@@ -475,8 +475,9 @@ def _items(task: str, length: int, settings: BenchSettings, count_tokens: Callab
         return [_Item(task, qa.documents, tuple((q.question, q.answer, q.depth, q.answer_lead)
                                                 for q in qa.questions))]
     if task == "kv":  # one JSON object per length, a question per depth (a pair further in): read once
-        docs = [builders.kv_document(length, depth, count_tokens, seed=_seed(settings.seed, task, length, -1.0))
-                for depth in settings.depths]
+        first = builders.kv_document(length, settings.depths[0], count_tokens,
+                                     seed=_seed(settings.seed, task, length, -1.0))
+        docs = [first.asking_at(depth) for depth in settings.depths]
         return [_Item(task, (docs[0].context,), tuple((d.question, d.answer, d.depth, d.answer_lead) for d in docs))]
     build = {"passkey": builders.passkey_document, "needle": builders.needle_document}[task]
     items = []

@@ -355,7 +355,7 @@ class EMEngine:
             if memory.token_ids != ids[:seen] or (seen == len(ids) and memory.last_logits is None):
                 raise MemoryMismatchError(
                     f"The prompt ({len(ids)} tokens) does not extend the {seen} tokens this memory has read "
-                    f"(they first differ at token {_first_difference(memory.token_ids, ids)}). Use a new memory "
+                    f"(they first differ at token {_common_prefix(memory.token_ids, ids)}). Use a new memory "
                     "for a different conversation.")
             started = time.perf_counter()
             self.read(memory, ids[seen:], progress=progress)
@@ -422,7 +422,7 @@ class EMEngine:
 
 # ---------------------------------------------------------------------- helpers
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading token ids two sequences share."""
+    """How many leading token ids two sequences share: where they first differ, or the shorter length."""
     n = min(len(a), len(b))
     differs = (torch.tensor(a[:n], dtype=torch.long) != torch.tensor(b[:n], dtype=torch.long)).nonzero()
     return int(differs[0]) if len(differs) else n
@@ -556,10 +556,3 @@ def _safe_length(text: str, stop: list[str]) -> int:
                 holdback = k
                 break
     return end - holdback
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))

@@ -254,6 +254,18 @@ class KVDocument:
         """The start of the answer, which the model completes (infinity-Bench's Retrieve.KV prompt ends so)."""
         return f'The value associated with the key "{self.key}" is'
 
+    def asking_at(self, depth: float) -> "KVDocument":
+        """The same JSON object with the question moved to the pair at ``depth``: several questions, one context
+        (read once), without rebuilding the object."""
+        pairs = list(json.loads(self.context[len(KV_INSTRUCTION):]).items())
+        return _kv_question(self.context, pairs, _check_depth(depth))
+
+
+def _kv_question(context: str, pairs: list[tuple[str, str]], depth: float) -> KVDocument:
+    key, answer = pairs[round(depth * (len(pairs) - 1))]
+    question = f'What is the value associated with the key "{key}" in the JSON object?'
+    return KVDocument(context, question, answer, key, depth, len(pairs))
+
 
 def kv_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int], seed: int = 0) -> KVDocument:
     """Multi-key retrieval in the infinity-Bench Retrieve.KV style: a JSON object of random UUID keys and values
@@ -279,10 +291,7 @@ def kv_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int
     per_pair = (count_tokens(build(16)) - count_tokens(KV_INSTRUCTION)) / 16
     context = _grow(count_tokens, num_tokens, build, math.ceil((num_tokens - count_tokens(KV_INSTRUCTION)) / per_pair),
                     per_pair)
-    n = context.count('": "')
-    key, answer = pairs[round(depth * (n - 1))]
-    question = f'What is the value associated with the key "{key}" in the JSON object?'
-    return KVDocument(context, question, answer, key, depth, n)
+    return _kv_question(context, pairs[:context.count('": "')], depth)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -85,3 +85,17 @@ def test_stopping_early_closes_the_shared_trunk():
     memory.close()
     reads.close()  # the caller stops after the first document
     assert not [m for m in engine._memories if not m.closed]
+
+
+def test_a_prompt_that_does_not_extend_the_memory_names_where_it_departs():
+    """The refusal tells the caller which token broke the history (the same common-prefix count read_each uses)."""
+    from emllm import MemoryMismatchError
+
+    engine = tiny_engine("S")
+    ids = token_ids(60, seed=4)
+    memory = engine.new_memory()
+    engine.read(memory, ids)
+    departed = ids[:17] + [2 if ids[17] != 2 else 3] + ids[18:]
+    with pytest.raises(MemoryMismatchError, match="first differ at token 17"):
+        engine.generate(departed + [3], memory=memory, max_new_tokens=2)
+    memory.close()

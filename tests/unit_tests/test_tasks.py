@@ -100,6 +100,17 @@ def test_kv_answer_once_at_its_depth(count_tokens, depth):
     assert abs(_token_depth(count_tokens, doc.context, doc.context.index(doc.key)) - depth) <= 0.05
 
 
+def test_kv_asking_at_another_depth_is_that_depths_document(count_tokens):
+    """The bench asks several depths of one JSON object: moving the question must give exactly the document that
+    building the object for that depth gives (same context, key, answer), without building it again."""
+    first = kv_document(2000, 0.0, count_tokens, seed=3)
+    for depth in (0.25, 0.5, 1.0):
+        assert first.asking_at(depth) == kv_document(2000, depth, count_tokens, seed=3)
+    assert first.asking_at(1.0).key != first.key
+    with pytest.raises(ValueError, match="depth"):
+        first.asking_at(1.5)
+
+
 def test_multidoc_each_question_answered_by_exactly_one_document(count_tokens):
     depths = [0.0, 0.3, 0.6, 1.0]
     qa = multidoc_documents(2000, depths, count_tokens, seed=5, doc_tokens=200)
