@@ -62,7 +62,7 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if memory.has_memory_part:
         q_memory = _group(rope.rotate_at(query, memory.config.n_local), kv_heads)      # [1, kv, g*q, d]
         if memory.retrieve_now and layer.index.size:
-            layer.retrieve(q_memory[0].float().mean(dim=1).reshape(-1), memory)
+            layer.retrieve(q_memory[0], memory, scaling)
         parts.append(_grouped(_attend(q_memory, layer.memory_keys[None], layer.memory_values[None], scaling,
                                       causal=False), heads, q))
     out, lse = _merge(parts)                                                            # [1, heads, q, d], [1, heads, q]

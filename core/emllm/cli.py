@@ -16,7 +16,7 @@ def _engine(args: argparse.Namespace):
     from .engine import EMEngine
 
     overrides = {}
-    for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb"):
+    for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -106,7 +106,8 @@ def bench(args: argparse.Namespace) -> int:
               f"({error}). Install it with its extras: pip install 'emllm-integrations[rag,langchain,llama-index,"
               "notebooks]'", file=sys.stderr)
         return 2
-    fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir")
+    fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir",
+                                                     "retrieval_scoring")
               if getattr(args, name, None) is not None}
     record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, seed=args.seed,
                                            max_new_tokens=args.max_new_tokens, engine_fields=fields))
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--n-mem", dest="n_mem", type=int, help="retrieved-event token budget")
         p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per forward while reading")
         p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float, help="RAM for evicted KV; rest on disk")
+        p.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=["representatives", "attention"],
+                       help="how events are ranked for retrieval (default representatives; see EMConfig)")
 
     p_demo = sub.add_parser("demo", help="find a pass key hidden in a 32K+ token document")
     common(p_demo)
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--n-local", dest="n_local", type=int, help="EM-LLM: local window tokens")
     p_bench.add_argument("--n-mem", dest="n_mem", type=int, help="EM-LLM: retrieved-event token budget")
     p_bench.add_argument("--chunk-size", dest="chunk_size", type=int, help="EM-LLM: tokens per forward while reading")
+    p_bench.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=["representatives", "attention"],
+                         help="EM-LLM: how events are ranked for retrieval (default representatives; see EMConfig)")
     p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
                          help="EM-LLM: RAM for evicted KV; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")

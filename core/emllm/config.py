@@ -21,6 +21,7 @@ Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
 RetrievalBackend = Literal["auto", "torch", "faiss"]
+RetrievalScoring = Literal["representatives", "attention"]
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,14 @@ class EMConfig:
     """Fraction of ``n_mem`` given to the contiguity buffer (neighbours of retrieved events); 0 = off."""
     contiguity_neighbours: int = 1
     """Neighbours on each side of a retrieved event that enter the contiguity buffer."""
+    retrieval_scoring: RetrievalScoring = "representatives"
+    """How events are ranked for retrieval. "representatives": k-NN of the chunk's mean query over one vector per
+    event (the mean key of its most-attended tokens), as in the paper: cheap, independent of memory size.
+    "attention": the attention probability the chunk's queries (a strided sample, every head) would give each
+    stored token, summed per event: what full attention over the memory would look at, at the cost of reading every
+    stored key of the layer at each retrieval (time grows with the memory; slow from disk). Measured on
+    SmolLM2-135M, needle at 16K tokens: the needle's event ranks 24-878 of 1,067 under "representatives" (answer
+    wrong), first in 6 of 30 layers under "attention" (answer right); see benchmarks/README.md."""
     retrieval_backend: RetrievalBackend = "auto"
     faiss_min_events: int = 20_000
     """With backend "auto", stores of at least this many events per layer are searched with faiss."""
@@ -103,6 +112,7 @@ class EMConfig:
         _check_choice("refinement", self.refinement, ("none", "modularity", "conductance"))
         _check_choice("attention", self.attention, ("episodic", "full"))
         _check_choice("retrieval_backend", self.retrieval_backend, ("auto", "torch", "faiss"))
+        _check_choice("retrieval_scoring", self.retrieval_scoring, ("representatives", "attention"))
         if self.min_block_size > self.max_block_size:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "

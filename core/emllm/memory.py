@@ -22,7 +22,8 @@ import torch
 
 from . import segmentation
 from .config import EMConfig
-from .retrieval import ContiguityBuffer, RepresentativeIndex, fill_budget, token_index_of_events
+from .retrieval import (ATTENTION_SCORING_ROWS, ContiguityBuffer, RepresentativeIndex, attention_mass_per_event,
+                        fill_budget, token_index_of_events)
 from .rope import RotaryTable
 from .storage import PageStore
 
@@ -142,12 +143,16 @@ class LayerMemory:
                                              sizes.to(self.device), topk))
         return torch.stack([keys, self.values[:, :n]]).transpose(1, 2)  # [2, n, kv, d]
 
-    def retrieve(self, query: torch.Tensor, memory: "EpisodicMemory") -> None:
-        """Choose events for this layer from query [kv * d] and load their KV after the sinks."""
+    def retrieve(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> None:
+        """Choose events for this layer from the chunk's memory-part queries [kv, rows, d] and load their KV after
+        the sinks."""
         config = self.config
         candidates = min(self.index.size, config.similarity_tokens // config.min_block_size + 1)
-        _, best = self.index.search(query, candidates)
         sizes = memory.event_sizes
+        if config.retrieval_scoring == "attention":
+            best = self._rank_by_attention(queries, memory, scaling)[:candidates]
+        else:
+            _, best = self.index.search(queries.float().mean(dim=1).reshape(-1), candidates)  # [kv * d] mean query
         similar = fill_budget(best.to("cpu"), sizes, config.similarity_tokens).tolist()
         neighbours = self.contiguity.update(similar, sizes, self.index.size)
         chosen = tuple(sorted(set(similar).union(neighbours)))
@@ -163,6 +168,15 @@ class LayerMemory:
         keys, values = memory.store.gather(self.layer_index, tokens, self.device)
         self.memory_keys = torch.cat([self.sink_keys, keys], dim=1)
         self.memory_values = torch.cat([self.sink_values, values], dim=1)
+
+
+    def _rank_by_attention(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> torch.Tensor:
+        """Event ids, best first, by the attention a strided sample of the queries gives their stored tokens."""
+        rows = queries.shape[1]
+        sample = queries[:, ::max(1, -(-rows // ATTENTION_SCORING_ROWS))]                     # [kv, <=256, d]
+        keys = memory.store.layer_keys(self.layer_index, self.device)  # [kv, n, d]: events cover every stored token
+        mass = attention_mass_per_event(sample, keys, memory.event_sizes, scaling)          # [e]
+        return torch.argsort(mass, descending=True).to("cpu")
 
 
 def event_representatives(keys: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,

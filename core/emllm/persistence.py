@@ -63,6 +63,8 @@ KV_FILE = "kv.safetensors"
 #: takes them from the loading side (its machine, its disks), everything else from the save.
 PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
                     "max_input_tokens")
+# Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
+ADDED_FIELDS: dict[str, Any] = {"retrieval_scoring": "representatives"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "bool": torch.bool}
@@ -484,7 +486,7 @@ def _check_model(manifest: dict[str, Any], engine: "EMEngine", target: Path) -> 
 
 def _restore_config(manifest: dict[str, Any], engine: "EMEngine", config: EMConfig | None,
                     target: Path) -> EMConfig:
-    saved = dict(manifest["config"])
+    saved = {**ADDED_FIELDS, **manifest["config"]}
     names = {f.name for f in dataclasses.fields(EMConfig) if f.name != "extra"}
     if set(saved) != names:
         raise MemoryFileError(f"{target / MANIFEST}: the saved config fields do not match this emllm's EMConfig "

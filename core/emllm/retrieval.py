@@ -6,6 +6,9 @@ A chunk's query is the mean of its queries over positions and over the query hea
 score(event) = dot(query, representative) is the head-summed attention logit of an average query on an average
 important key: the k-NN approximation of softmax attention the paper argues for (appendix E).
 
+With retrieval_scoring="attention" events are instead ranked by the attention the chunk's queries would give their
+tokens (attention_mass_per_event): exact, but every stored key of the layer is read at each retrieval.
+
 Similarity buffer: the best-scoring events, in score order, until its token budget is used.
 Contiguity buffer: a queue of the +-n neighbours of retrieved events; newest in, oldest out once its token budget
 is exceeded. Events are returned in input order so retrieved text keeps its original sequence.
@@ -79,6 +82,31 @@ class RepresentativeIndex:
         q = np.ascontiguousarray(query.detach().to("cpu", torch.float32).numpy()[None, :])
         scores, ids = self._faiss.search(q, k)
         return torch.from_numpy(scores[0]).to(self.device), torch.from_numpy(ids[0]).long().to(self.device)
+
+
+ATTENTION_SCORING_ROWS = 256
+"""Query rows (positions x query heads) per KV head that rank events under retrieval_scoring="attention": a strided
+sample of a reading chunk's rows; a question or a decoded token has fewer and uses them all."""
+
+
+def attention_mass_per_event(queries: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, scaling: float,
+                             max_elements: int = 1 << 25) -> torch.Tensor:
+    """Per event, the attention probability the queries would give its tokens under softmax over all of them.
+
+    queries [kv, rows, d] (already rotated for the memory part); keys [kv, n, d]: every event's tokens, events in
+    order, sizes [e] summing to n. Probabilities are averaged over rows and summed over KV heads: [e] float32.
+    Rows are taken in blocks so that at most ``max_elements`` logits exist at once, whatever the memory's size.
+    """
+    kv, rows, _ = queries.shape
+    n = keys.shape[1]
+    keys = keys.float()
+    per_token = torch.zeros(n, dtype=torch.float32, device=keys.device)                 # [n]
+    block = max(1, max_elements // max(1, kv * n))
+    for first in range(0, rows, block):
+        logits = torch.matmul(queries[:, first:first + block].float(), keys.transpose(1, 2)) * scaling  # [kv, b, n]
+        per_token += torch.softmax(logits, dim=-1).sum(dim=(0, 1))
+    owner = torch.repeat_interleave(torch.arange(len(sizes), device=keys.device), sizes.to(keys.device))  # [n]
+    return torch.zeros(len(sizes), dtype=torch.float32, device=keys.device).index_add_(0, owner, per_token) / rows
 
 
 def fill_budget(ids_best_first: torch.Tensor, sizes: torch.Tensor, budget: int) -> torch.Tensor:

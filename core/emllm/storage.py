@@ -120,6 +120,16 @@ class PageStore:
         kv = kv.transpose(1, 2)  # [2, kv_heads, n, head_dim]
         return kv[0], kv[1]
 
+    def layer_keys(self, layer: int, device: torch.device) -> torch.Tensor:
+        """Every stored key of one layer, in input order: [num_kv_heads, num_tokens, head_dim]. Whole pages are
+        sliced, not indexed, and values are left where they are: attention-scored retrieval reads all keys."""
+        self._check_open()
+        pages = -(-self.num_tokens // self.page_tokens)
+        parts = [self._fetch(page_id)[layer, 0, :self._page_fill(page_id)].to(device, non_blocking=True)
+                 for page_id in range(pages)]                                          # each [fill, kv, d]
+        keys = torch.cat(parts) if len(parts) != 1 else parts[0]                       # [num_tokens, kv, d]
+        return keys.transpose(0, 1)
+
     def _fetch(self, page_id: int) -> torch.Tensor:
         """The page, promoted to the top tier (least recently used pages move down to make room)."""
         if self._tail is not None and page_id == self.num_tokens // self.page_tokens:

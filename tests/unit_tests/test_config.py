@@ -121,7 +121,7 @@ def test_unknown_field_names_the_typo_and_lists_valid_fields():
 
 @pytest.mark.parametrize("field, value", [
     ("segmentation", "random"), ("refinement", "spectral"), ("attention", "sliding"),
-    ("retrieval_backend", "annoy"),
+    ("retrieval_backend", "annoy"), ("retrieval_scoring", "bm25"),
 ])
 def test_unknown_choice_names_field_and_choices(field, value):
     with pytest.raises(ConfigError) as info:

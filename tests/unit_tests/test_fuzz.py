@@ -87,6 +87,7 @@ def valid_configs(draw) -> dict:
         refine_layers=draw(st.sampled_from([None, (0,), (1,), (0, 1)])), repr_topk=draw(st.integers(1, 6)),
         contiguity=contiguity, contiguity_neighbours=draw(st.integers(1, 3)),
         retrieval_backend=draw(st.sampled_from(["auto", "torch", "faiss"])),
+        retrieval_scoring=draw(st.sampled_from(["representatives", "attention"])),
         faiss_min_events=draw(st.sampled_from([1, 20_000])), decode_retrieve_every=draw(st.integers(1, 4)),
         attention=draw(st.sampled_from(["episodic"] * 5 + ["full"])), page_tokens=draw(st.integers(1, 32)),
         ram_budget_mb=draw(st.sampled_from([None, 0, 0.01])))
@@ -148,6 +149,7 @@ BAD_VALUES = {
     "refinement": ["modular", None, 0],
     "attention": ["sparse", None],
     "retrieval_backend": ["cuda", None],
+    "retrieval_scoring": ["exact", None],
     "contiguity": [1.0, -0.1, math.nan, math.inf, "0.3", True],
     "gamma": [math.nan, math.inf, -math.inf, "1", None, True],
     "refine_layers": [(-1,), ("0",), (0.5,), 3, (True,)],

@@ -307,3 +307,46 @@ def test_event_representatives_hand_case():
     scores = torch.tensor([[0.5, 0.1, 0.9, 0.0, 0.7, 0.3]])
     result = event_representatives(keys, scores, torch.tensor([0, 4]), torch.tensor([3, 1]), topk=2)
     assert result.tolist() == [[1.0], [4.0]]  # mean(2, 0); event 1 is shorter than topk: its only token
+
+
+# ----------------------------------------------------------------------------- attention scoring
+def attention_mass_by_loops(queries, keys, sizes, scaling):
+    """Reference: for each KV head and query row, softmax over every stored token; average rows, sum heads, add
+    each token's probability to its event (plain Python over events)."""
+    kv, rows, _ = queries.shape
+    probs = torch.softmax(torch.einsum("krd,knd->krn", queries.double(), keys.double()) * scaling, dim=-1)
+    per_token = probs.sum(dim=(0, 1)) / rows
+    out, start = [], 0
+    for size in sizes.tolist():
+        out.append(float(per_token[start:start + size].sum()))
+        start += size
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("max_elements", [1 << 25, 50])  # 50: one query row per block, the bounded-memory path
+def test_attention_mass_per_event_matches_softmax_attention(max_elements):
+    from emllm.retrieval import attention_mass_per_event
+
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([3, 8, 1, 5, 12])
+    queries, keys = torch.randn(2, 7, 16, generator=g), torch.randn(2, int(sizes.sum()), 16, generator=g)
+    mass = attention_mass_per_event(queries, keys, sizes, 0.25, max_elements=max_elements)
+    assert mass.shape == (5,) and mass.dtype == torch.float32
+    assert torch.allclose(mass.double(), attention_mass_by_loops(queries, keys, sizes, 0.25), atol=1e-5)
+    assert torch.isclose(mass.sum(), torch.tensor(2.0))  # a distribution per KV head, summed over 2 heads
+
+
+def test_attention_scoring_finds_the_event_the_queries_attend_to_even_when_representatives_miss_it():
+    """The failure it fixes: an event whose important-token keys (its representative) point away from the query,
+    but one of whose tokens the query attends to strongly. Representatives rank it last; attention ranks it first."""
+    from emllm.retrieval import attention_mass_per_event
+
+    g = torch.Generator().manual_seed(1)
+    d, sizes = 16, torch.tensor([6, 6, 6])
+    query = torch.randn(1, 1, d, generator=g)
+    keys = torch.randn(1, 18, d, generator=g) * 0.1
+    keys[0, 12:] -= query[0, 0]             # event 2's tokens point away from the query ...
+    keys[0, 15] = 4 * query[0, 0]           # ... except one, the "needle", which the query matches
+    representatives = torch.stack([keys[0, 0:6].mean(0), keys[0, 6:12].mean(0), keys[0, 12:18].mean(0)])
+    assert int(torch.argmin(representatives @ query[0, 0])) == 2
+    assert int(torch.argmax(attention_mass_per_event(query, keys, sizes, d ** -0.5))) == 2

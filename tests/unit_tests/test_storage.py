@@ -87,6 +87,17 @@ def test_gather_equals_reference_in_every_tier(dtype, pages_in_ram, tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("pieces", [PIECES, [16], [5]])  # a tail; whole pages only; a tail only
+@pytest.mark.parametrize("pages_in_ram", [None, 0])
+def test_layer_keys_are_every_stored_key_in_order(pieces, pages_in_ram, tmp_path):
+    store = make_store(torch.bfloat16, pages_in_ram, offload_dir=str(tmp_path))
+    reference = fill(store, pieces)
+    for layer in range(LAYERS):
+        want, _ = expected(reference, layer, torch.arange(sum(pieces)))
+        assert torch.equal(store.layer_keys(layer, torch.device("cpu")), want)
+    store.close()
+
+
 def test_gather_returns_a_copy():
     store = make_store()
     reference = fill(store, [PAGE * 2])
