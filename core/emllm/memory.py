@@ -169,7 +169,6 @@ class LayerMemory:
         self.memory_keys = torch.cat([self.sink_keys, keys], dim=1)
         self.memory_values = torch.cat([self.sink_values, values], dim=1)
 
-
     def _rank_by_attention(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> torch.Tensor:
         """Event ids, best first, by the attention a strided sample of the queries gives their stored tokens."""
         rows = queries.shape[1]
