@@ -3,11 +3,14 @@
     python benchmarks/retrieval_scoring.py                        # 16K tokens, depths 0.1/0.5/0.9, preset S
     python benchmarks/retrieval_scoring.py --tokens 32768 --depths 0.5
 
-For every depth and scoring ("representatives": the paper's k-NN over one vector per event; "attention": events
-ranked by the attention the queries give their stored tokens), the needle document (Paul Graham essays, a 7-digit
-number) is read, then the question with the start of its answer. The table gives how many of the model's layers hold
-the needle's event in attention when the answer starts, the answer, and the seconds. The haystack is read once per
-scoring and forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md}.
+For every depth and variant ("representatives": the paper's k-NN over one vector per event; "attention": events
+ranked by the attention the queries give their stored tokens; "attention, keys from pages": the same ranking with a
+RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
+from the store's pages, as before the copy existed), the needle document (Paul Graham essays, a 7-digit number) is
+read, then the question with the start of its answer. The table gives how many of the model's layers hold the
+needle's event in attention when the answer starts, the answer, and the seconds: reading, the question, and
+decoding per token (a retrieval per token per layer). The haystack is read once per variant and forked per depth
+(EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCORINGS = ("representatives", "attention")
+VARIANTS = {  # name -> EMConfig fields
+    "representatives": {"retrieval_scoring": "representatives"},
+    "attention": {"retrieval_scoring": "attention"},
+    "attention, keys from pages": {"retrieval_scoring": "attention", "ram_budget_mb": 1e6},
+}
 
 
 def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
@@ -35,9 +42,9 @@ def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
     spans = [(engine.count_tokens(doc.context[:doc.needle_offset]),
               engine.count_tokens(doc.context[:doc.needle_offset + len(doc.needle)])) for doc in docs]
     rows = []
-    with tqdm(total=len(SCORINGS) * len(docs), desc="retrieval scoring", unit="doc") as bar:
-        for scoring in SCORINGS:
-            config = engine.config.replace(retrieval_scoring=scoring)
+    with tqdm(total=len(VARIANTS) * len(docs), desc="retrieval scoring", unit="doc") as bar:
+        for variant, fields in VARIANTS.items():
+            config = engine.config.replace(**fields)
             for (memory, read_seconds), doc, ids, (first, last) in zip(engine.read_each(prompts, config=config),
                                                                        docs, prompts, spans):
                 layers = sum(event.layers for event in memory.retrieved_events()
@@ -45,23 +52,27 @@ def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
                 num_layers = len(memory.layers)
                 started = time.perf_counter()
                 answer = engine.generate(ids, memory=memory, max_new_tokens=10)
+                answer_seconds = time.perf_counter() - started
                 memory.close()
-                rows.append({"scoring": scoring, "tokens": len(ids), "depth": doc.depth, "expected": doc.answer,
+                rows.append({"variant": variant, "tokens": len(ids), "depth": doc.depth, "expected": doc.answer,
                              "needle_layers": layers, "num_layers": num_layers,
                              "output": answer.text.strip(), "correct": doc.answer in answer.text,
-                             "read_seconds": read_seconds, "answer_seconds": time.perf_counter() - started})
+                             "read_seconds": read_seconds, "answer_seconds": answer_seconds,
+                             "question_seconds": answer.prefill_seconds,
+                             "decode_ms_per_token": 1000 * answer.decode_seconds / max(1, len(answer.token_ids))})
                 bar.update()
-                tqdm.write(f"{scoring:>15} depth {doc.depth:.2f}: needle in {layers}/{num_layers} layers, "
+                tqdm.write(f"{variant:>26} depth {doc.depth:.2f}: needle in {layers}/{num_layers} layers, "
                            f"{'correct' if rows[-1]['correct'] else 'wrong'} ({rows[-1]['output']!r})")
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| scoring | tokens | depth | layers holding the needle | expected | output | correct | read s | answer s |",
-             "|---|---:|---:|---:|---|---|---|---:|---:|"]
-    lines += [f"| {r['scoring']} | {r['tokens']:,} | {r['depth']:.2f} | {r['needle_layers']}/{r['num_layers']} | "
+    lines = ["| retrieval | tokens | depth | layers holding the needle | expected | output | correct | read s | "
+             "question s | decode ms/token |",
+             "|---|---:|---:|---:|---|---|---|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['tokens']:,} | {r['depth']:.2f} | {r['needle_layers']}/{r['num_layers']} | "
               f"{r['expected']} | {r['output']!r} | {'yes' if r['correct'] else 'no'} | {r['read_seconds']:.0f} | "
-              f"{r['answer_seconds']:.1f} |" for r in rows]
+              f"{r['question_seconds']:.1f} | {r['decode_ms_per_token']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 

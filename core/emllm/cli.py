@@ -8,8 +8,9 @@ import os
 import resource
 import sys
 import time
+from typing import get_args
 
-from .config import PRESETS
+from .config import PRESETS, RetrievalScoring
 
 
 def _engine(args: argparse.Namespace):
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--n-mem", dest="n_mem", type=int, help="retrieved-event token budget")
         p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per forward while reading")
         p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float, help="RAM for evicted KV; rest on disk")
-        p.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=["representatives", "attention"],
+        p.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=get_args(RetrievalScoring),
                        help="how events are ranked for retrieval (default representatives; see EMConfig)")
 
     p_demo = sub.add_parser("demo", help="find a pass key hidden in a 32K+ token document")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--n-local", dest="n_local", type=int, help="EM-LLM: local window tokens")
     p_bench.add_argument("--n-mem", dest="n_mem", type=int, help="EM-LLM: retrieved-event token budget")
     p_bench.add_argument("--chunk-size", dest="chunk_size", type=int, help="EM-LLM: tokens per forward while reading")
-    p_bench.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=["representatives", "attention"],
+    p_bench.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=get_args(RetrievalScoring),
                          help="EM-LLM: how events are ranked for retrieval (default representatives; see EMConfig)")
     p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
                          help="EM-LLM: RAM for evicted KV; the rest goes to --offload-dir")

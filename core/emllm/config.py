@@ -15,7 +15,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
@@ -64,7 +64,9 @@ class EMConfig:
     event (the mean key of its most-attended tokens), as in the paper: cheap, independent of memory size.
     "attention": the attention probability the chunk's queries (a strided sample, every head) would give each
     stored token, summed per event: what full attention over the memory would look at, at the cost of reading every
-    stored key of the layer at each retrieval (time grows with the memory; slow from disk). Measured on
+    stored key of the layer at each retrieval (time grows with the memory; slow from disk). With no RAM or device
+    budget each layer keeps a float32 copy of its stored keys for this (as many bytes again as the stored KV), so
+    a retrieval reads one tensor instead of every page; with a budget, pages are read each time. Measured on
     SmolLM2-135M, needle at 16K tokens: the needle's event ranks 24-878 of 1,067 under "representatives" (answer
     wrong), first in 6 of 30 layers under "attention" (answer right); see benchmarks/README.md."""
     retrieval_backend: RetrievalBackend = "auto"
@@ -108,11 +110,11 @@ class EMConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
         if not isinstance(self.n_init, int) or isinstance(self.n_init, bool) or self.n_init < 0:
             raise ConfigError(f"n_init must be an integer >= 0, got {self.n_init!r}.")
-        _check_choice("segmentation", self.segmentation, ("surprise", "fixed"))
-        _check_choice("refinement", self.refinement, ("none", "modularity", "conductance"))
-        _check_choice("attention", self.attention, ("episodic", "full"))
-        _check_choice("retrieval_backend", self.retrieval_backend, ("auto", "torch", "faiss"))
-        _check_choice("retrieval_scoring", self.retrieval_scoring, ("representatives", "attention"))
+        _check_choice("segmentation", self.segmentation, get_args(Segmentation))
+        _check_choice("refinement", self.refinement, get_args(Refinement))
+        _check_choice("attention", self.attention, get_args(AttentionMode))
+        _check_choice("retrieval_backend", self.retrieval_backend, get_args(RetrievalBackend))
+        _check_choice("retrieval_scoring", self.retrieval_scoring, get_args(RetrievalScoring))
         if self.min_block_size > self.max_block_size:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "

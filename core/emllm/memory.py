@@ -68,6 +68,12 @@ class LayerMemory:
         self.memory_keys = self.sink_keys      # [kv, m, d] sinks + retrieved events, rotated at position 0
         self.memory_values = self.sink_values
         self.retrievals = 0
+        # Attention scoring with no memory budget keeps a float32 copy of this layer's stored keys (_stored_keys).
+        self.keeps_key_copy = (config.retrieval_scoring == "attention" and config.ram_budget_mb is None
+                               and config.device_budget_mb is None)
+        self.key_copy = torch.empty(kv, 0, d, dtype=torch.float32, device=device)  # [kv, capacity, d]
+        self.key_copy_length = 0   # stored tokens copied so far
+        self.key_copy_owned = True  # False after a fork: the buffer is shared, so copy before writing
 
     # ------------------------------------------------------------------ local window
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -121,6 +127,7 @@ class LayerMemory:
             setattr(child, name, getattr(self, name).clone())
         child.index = self.index.fork()
         child.contiguity = self.contiguity.fork()
+        child.key_copy_owned = False  # the parent writes past its own length only, which the child never reads
         return child
 
     # ------------------------------------------------------------------ memory part
@@ -173,9 +180,28 @@ class LayerMemory:
         """Event ids, best first, by the attention a strided sample of the queries gives their stored tokens."""
         rows = queries.shape[1]
         sample = queries[:, ::max(1, -(-rows // ATTENTION_SCORING_ROWS))]                     # [kv, <=256, d]
-        keys = memory.store.layer_keys(self.layer_index, self.device)  # [kv, n, d]: events cover every stored token
+        keys = self._stored_keys(memory.store)          # [kv, n, d]: events cover every stored token
         mass = attention_mass_per_event(sample, keys, memory.event_sizes, scaling)          # [e]
         return torch.argsort(mass, descending=True).to("cpu")
+
+    def _stored_keys(self, store: PageStore) -> torch.Tensor:
+        """Every stored key of this layer, [kv, n, d]. Read from the store's pages, attention scoring would gather,
+        concatenate and convert all of them at every retrieval, i.e. at every decoded token; with the copy only
+        the keys stored since the last retrieval are read. The copy costs as many bytes as the stored KV, so with
+        a RAM or device budget (memory meant to stay bounded) the pages are read each time instead."""
+        if not self.keeps_key_copy:
+            return store.layer_keys(self.layer_index, self.device)
+        n, copied = store.num_tokens, self.key_copy_length
+        if n > copied:
+            new = store.layer_keys(self.layer_index, self.device, start=copied)              # [kv, n - copied, d]
+            if n > self.key_copy.shape[1] or not self.key_copy_owned:
+                kv, capacity, d = self.key_copy.shape
+                grown = torch.empty(kv, max(n, 2 * capacity), d, dtype=torch.float32, device=self.device)
+                grown[:, :copied] = self.key_copy[:, :copied]
+                self.key_copy, self.key_copy_owned = grown, True
+            self.key_copy[:, copied:n] = new
+            self.key_copy_length = n
+        return self.key_copy[:, :n]
 
 
 def event_representatives(keys: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
@@ -361,6 +387,7 @@ class EpisodicMemory:
             "tokens_evicted": int(self.store.num_tokens),
             "tokens_per_tier": tiers,
             "kv_bytes_resident": self.store.resident_bytes(),
+            "key_copy_bytes": sum(layer.key_copy.numel() * layer.key_copy.element_size() for layer in self.layers),
             "retrievals_per_layer": [layer.retrievals for layer in self.layers],
         }
 

@@ -120,14 +120,21 @@ class PageStore:
         kv = kv.transpose(1, 2)  # [2, kv_heads, n, head_dim]
         return kv[0], kv[1]
 
-    def layer_keys(self, layer: int, device: torch.device) -> torch.Tensor:
-        """Every stored key of one layer, in input order: [num_kv_heads, num_tokens, head_dim]. Whole pages are
-        sliced, not indexed, and values are left where they are: attention-scored retrieval reads all keys."""
+    def layer_keys(self, layer: int, device: torch.device, start: int = 0) -> torch.Tensor:
+        """The stored keys of one layer from token ``start`` on, in input order: [num_kv_heads, num_tokens - start,
+        head_dim]. Whole pages are sliced, not indexed, and values are left where they are: attention-scored
+        retrieval reads all keys, or (keeping a copy) only those stored since it last looked."""
         self._check_open()
+        if not 0 <= start <= self.num_tokens:
+            raise ValueError(f"start must be in [0, {self.num_tokens}] (tokens stored), got {start}.")
         pages = -(-self.num_tokens // self.page_tokens)
-        parts = [self._fetch(page_id)[layer, 0, :self._page_fill(page_id)].to(device, non_blocking=True)
-                 for page_id in range(pages)]                                          # each [fill, kv, d]
-        keys = torch.cat(parts) if len(parts) != 1 else parts[0]                       # [num_tokens, kv, d]
+        first = start // self.page_tokens
+        parts = [self._fetch(page_id)[layer, 0, max(0, start - page_id * self.page_tokens):self._page_fill(page_id)]
+                 .to(device, non_blocking=True) for page_id in range(first, pages)]  # each [fill, kv, d]
+        if not parts:
+            _, _, _, kv, d = self.page_shape
+            return torch.empty(kv, 0, d, dtype=self.dtype, device=device)
+        keys = torch.cat(parts) if len(parts) != 1 else parts[0]                       # [num_tokens - start, kv, d]
         return keys.transpose(0, 1)
 
     def _fetch(self, page_id: int) -> torch.Tensor:

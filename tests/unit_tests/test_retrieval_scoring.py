@@ -77,7 +77,88 @@ def test_the_scoring_is_part_of_a_saved_memory(tmp_path):
     engine.read(memory, token_ids(200, seed=3))
     save_memory(memory, tmp_path / "m", engine=engine)
     memory.close()
-    assert load_memory(tmp_path / "m", engine).config.retrieval_scoring == "attention"
+    loaded = load_memory(tmp_path / "m", engine)
+    assert loaded.config.retrieval_scoring == "attention"
+    engine.generate(loaded.token_ids + [4], memory=loaded, max_new_tokens=2)  # the key copy starts from the file
+    for layer in loaded.layers:
+        assert layer.key_copy_length == loaded.store.num_tokens > 0
+        assert torch.equal(layer.key_copy[:, :layer.key_copy_length],
+                           loaded.store.layer_keys(layer.layer_index, layer.device).float())
+    loaded.close()
     from emllm.persistence import MemoryFileError
     with pytest.raises(MemoryFileError, match="retrieval_scoring='attention'"):
         load_memory(tmp_path / "m", engine, config=EMConfig.from_preset("S", **TINY))
+
+
+def _retrievals(engine, ids):
+    memory = engine.new_memory()
+    engine.read(memory, ids)
+    after_read = [layer.retrieved_ids for layer in memory.layers]
+    answer = engine.generate(ids + [5, 6], memory=memory, max_new_tokens=6)
+    return memory, after_read, [layer.retrieved_ids for layer in memory.layers], answer.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_key_copy_changes_no_retrieval_and_holds_every_stored_key(dtype):
+    ids = token_ids(400, seed=4)
+    copying, read_a, decode_a, answer_a = _retrievals(tiny_engine("S", dtype, retrieval_scoring="attention"), ids)
+    # A RAM budget (large enough that nothing leaves RAM) turns the copy off: keys are read from the pages.
+    paging, read_b, decode_b, answer_b = _retrievals(
+        tiny_engine("S", dtype, retrieval_scoring="attention", ram_budget_mb=1024), ids)
+    assert (read_a, decode_a, answer_a) == (read_b, decode_b, answer_b)
+    assert any(read_a) and read_a != decode_a  # retrieval ran, and decoding moved it
+    for layer in copying.layers:  # the last forward may have stored tokens that no retrieval has looked at yet
+        n = layer.key_copy_length
+        stored = copying.store.layer_keys(layer.layer_index, layer.device)[:, :n]
+        assert 0 < n <= copying.store.num_tokens
+        assert torch.equal(layer.key_copy[:, :n], stored.float())
+    assert copying.stats()["key_copy_bytes"] >= 4 * stored.numel() * len(copying.layers)
+    assert all(layer.key_copy.numel() == 0 for layer in paging.layers)
+    assert paging.stats()["key_copy_bytes"] == 0
+    copying.close()
+    paging.close()
+
+
+def test_the_key_copy_reads_each_stored_key_once(monkeypatch):
+    """The point of the copy: a retrieval reads only the keys stored since the last one, not every page again."""
+    engine = tiny_engine("S", retrieval_scoring="attention")
+    memory = engine.new_memory()
+    read_tokens: dict[int, int] = {}
+    real = type(memory.store).layer_keys
+
+    def counting(store, layer, device, start=0):
+        keys = real(store, layer, device, start)
+        read_tokens[layer] = read_tokens.get(layer, 0) + keys.shape[1]
+        return keys
+
+    monkeypatch.setattr(type(memory.store), "layer_keys", counting)
+    engine.read(memory, token_ids(400, seed=5))
+    engine.generate(memory.token_ids + [7], memory=memory, max_new_tokens=5)
+    retrievals = memory.layers[0].retrievals
+    assert retrievals > 10 and memory.num_events > 5
+    copied = [layer.key_copy_length for layer in memory.layers]
+    assert read_tokens == {i: n for i, n in enumerate(copied)} and 0 < copied[0] <= memory.store.num_tokens
+    memory.close()
+
+
+def test_forks_keep_their_own_key_copies():
+    engine = tiny_engine("S", retrieval_scoring="attention")
+    parent = engine.new_memory()
+    engine.read(parent, token_ids(300, seed=6))
+    for layer in parent.layers:  # room for both to go on in place: the case where a shared buffer would be clobbered
+        layer.key_copy = torch.cat([layer.key_copy, torch.zeros_like(layer.key_copy).repeat(1, 4, 1)], dim=1)
+    child = parent.fork()
+    shared = parent.layers[0].key_copy_length
+    assert shared > 0 and child.layers[0].key_copy is parent.layers[0].key_copy
+    engine.read(parent, token_ids(120, seed=7))  # both go on from the shared copy, with different text
+    engine.read(child, token_ids(120, seed=8))
+    for memory in (parent, child):
+        engine.generate(memory.token_ids + [9], memory=memory, max_new_tokens=2)  # a retrieval after the last read
+        for layer in memory.layers:
+            n = layer.key_copy_length
+            assert n > shared  # each went on copying after the fork
+            stored = memory.store.layer_keys(layer.layer_index, layer.device)[:, :n].float()
+            assert torch.equal(layer.key_copy[:, :n], stored)
+    assert parent.layers[0].key_copy is not child.layers[0].key_copy
+    parent.close()
+    child.close()

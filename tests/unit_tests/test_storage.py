@@ -95,6 +95,11 @@ def test_layer_keys_are_every_stored_key_in_order(pieces, pages_in_ram, tmp_path
     for layer in range(LAYERS):
         want, _ = expected(reference, layer, torch.arange(sum(pieces)))
         assert torch.equal(store.layer_keys(layer, torch.device("cpu")), want)
+        for start in sorted({0, 1, PAGE - 1, PAGE, PAGE + 3, sum(pieces) - 1, sum(pieces)}):
+            if 0 <= start <= sum(pieces):  # mid-page, page borders, the last token, nothing left
+                assert torch.equal(store.layer_keys(layer, torch.device("cpu"), start=start), want[:, start:])
+    with pytest.raises(ValueError, match="start must be in"):
+        store.layer_keys(0, torch.device("cpu"), start=sum(pieces) + 1)
     store.close()
 
 
