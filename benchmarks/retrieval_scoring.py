@@ -8,9 +8,9 @@ ranked by the attention the queries give their stored tokens; "attention, keys f
 RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
 from the store's pages, as before the copy existed), the needle document (Paul Graham essays, a 7-digit number) is
 read, then the question with the start of its answer. The table gives how many of the model's layers hold the
-needle's event in attention when the answer starts, the answer, and the seconds: reading, the question, and
-decoding per token (a retrieval per token per layer). The haystack is read once per variant and forked per depth
-(EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md}.
+needle's event in attention when the answer starts, the answer, and the seconds: reading (the question included),
+answering, and decoding per token (a retrieval per token per layer). The haystack is read once per variant and
+forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md}.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
                              "needle_layers": layers, "num_layers": num_layers,
                              "output": answer.text.strip(), "correct": doc.answer in answer.text,
                              "read_seconds": read_seconds, "answer_seconds": answer_seconds,
-                             "question_seconds": answer.prefill_seconds,
                              "decode_ms_per_token": 1000 * answer.decode_seconds / max(1, len(answer.token_ids))})
                 bar.update()
                 tqdm.write(f"{variant:>26} depth {doc.depth:.2f}: needle in {layers}/{num_layers} layers, "
@@ -68,11 +67,11 @@ def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| retrieval | tokens | depth | layers holding the needle | expected | output | correct | read s | "
-             "question s | decode ms/token |",
+             "answer s | decode ms/token |",
              "|---|---:|---:|---:|---|---|---|---:|---:|---:|"]
     lines += [f"| {r['variant']} | {r['tokens']:,} | {r['depth']:.2f} | {r['needle_layers']}/{r['num_layers']} | "
               f"{r['expected']} | {r['output']!r} | {'yes' if r['correct'] else 'no'} | {r['read_seconds']:.0f} | "
-              f"{r['question_seconds']:.1f} | {r['decode_ms_per_token']:.0f} |" for r in rows]
+              f"{r['answer_seconds']:.1f} | {r['decode_ms_per_token']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
