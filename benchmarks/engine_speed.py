@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from emllm_integrations.markdown import table as markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HAYSTACK = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
             "Episodic memory cuts a long text into events where the model is surprised. ")
@@ -57,15 +59,11 @@ def run_child(preset: str, length: int, decode_tokens: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| preset | tokens | prefill tok/s | decode ms/token | peak RSS MB | events | mean event |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['preset']} | {r['tokens']:,} | failed: {r['error']} | | | | |")
-            continue
-        lines.append(f"| {r['preset']} | {r['tokens']:,} | {r['prefill_tok_s']:,.0f} | {r['decode_ms_token']:.1f} | "
-                     f"{r['peak_rss_mb']:,.0f} | {r['events']:,} | {r['mean_event_size']:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["preset", "tokens", "prefill tok/s", "decode ms/token", "peak RSS MB", "events", "mean event"], "lrrrrrr",
+        ([r["preset"], f"{r['tokens']:,}", f"failed: {r['error']}", "", "", "", ""] if "error" in r else
+         [r["preset"], f"{r['tokens']:,}", f"{r['prefill_tok_s']:,.0f}", f"{r['decode_ms_token']:.1f}",
+          f"{r['peak_rss_mb']:,.0f}", f"{r['events']:,}", f"{r['mean_event_size']:.1f}"] for r in rows))
 
 
 def goals(rows: list[dict]) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from emllm_integrations.markdown import table as markdown_table
+
 
 def run(tokens: int, depth: float, preset: str, fields: dict, max_tokens: int) -> list[dict]:
     from langchain_core.messages import AIMessage, HumanMessage
@@ -41,12 +43,11 @@ def run(tokens: int, depth: float, preset: str, fields: dict, max_tokens: int) -
 
 def table(rows: list[dict]) -> str:
     base = rows[0]
-    lines = ["| call | prompt tokens | tokens read | seconds | read ratio | time ratio | key found |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {r['call']} | {r['input_tokens']:,} | {r['read']:,} | {r['seconds']:.1f} | "
-              f"{r['read'] / base['read']:.3%} | {r['seconds'] / base['seconds']:.3%} | "
-              f"{'yes' if r['correct'] else 'no'} ({r['answer'].strip()!r}) |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(
+        ["call", "prompt tokens", "tokens read", "seconds", "read ratio", "time ratio", "key found"], "lrrrrrl",
+        ([r["call"], f"{r['input_tokens']:,}", f"{r['read']:,}", f"{r['seconds']:.1f}", f"{r['read'] / base['read']:.3%}",
+          f"{r['seconds'] / base['seconds']:.3%}", f"{'yes' if r['correct'] else 'no'} ({r['answer'].strip()!r})"]
+         for r in rows))
 
 
 def main() -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from emllm_integrations.markdown import table as markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -44,10 +46,10 @@ def run(methods: list[str], lengths: list[int], depths: list[float], overrides: 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| method | tokens | depth | expected | output | correct | seconds |", "|---|---:|---:|---|---|---|---:|"]
-    lines += [f"| {r['method']} | {r['tokens']:,} | {r['depth']:.2f} | {r['answer']} | {r['output']!r} | "
-              f"{'yes' if r['correct'] else 'no'} | {r['seconds']:.0f} |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(
+        ["method", "tokens", "depth", "expected", "output", "correct", "seconds"], "lrrlllr",
+        ([r["method"], f"{r['tokens']:,}", f"{r['depth']:.2f}", r["answer"], repr(r["output"]),
+          "yes" if r["correct"] else "no", f"{r['seconds']:.0f}"] for r in rows))
 
 
 def main() -> None:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from emllm_integrations.markdown import table as markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = {  # name -> EMConfig fields
     "representatives": {"retrieval_scoring": "representatives"},
@@ -66,13 +68,12 @@ def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| retrieval | tokens | depth | layers holding the needle | expected | output | correct | read s | "
-             "answer s | decode ms/token |",
-             "|---|---:|---:|---:|---|---|---|---:|---:|---:|"]
-    lines += [f"| {r['variant']} | {r['tokens']:,} | {r['depth']:.2f} | {r['needle_layers']}/{r['num_layers']} | "
-              f"{r['expected']} | {r['output']!r} | {'yes' if r['correct'] else 'no'} | {r['read_seconds']:.0f} | "
-              f"{r['answer_seconds']:.1f} | {r['decode_ms_per_token']:.0f} |" for r in rows]
-    return "\n".join(lines)
+    return markdown_table(
+        ["retrieval", "tokens", "depth", "layers holding the needle", "expected", "output", "correct", "read s",
+         "answer s", "decode ms/token"], "lrrrlllrrr",
+        ([r["variant"], f"{r['tokens']:,}", f"{r['depth']:.2f}", f"{r['needle_layers']}/{r['num_layers']}",
+          r["expected"], repr(r["output"]), "yes" if r["correct"] else "no", f"{r['read_seconds']:.0f}",
+          f"{r['answer_seconds']:.1f}", f"{r['decode_ms_per_token']:.0f}"] for r in rows))
 
 
 def main() -> None:

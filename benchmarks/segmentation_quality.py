@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from emllm_integrations.markdown import table as markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("F", "FM", "FC", "S", "SM", "SC")
 METRICS = {"modularity": ("Mod", 1e3, "higher"), "conductance": ("Con", 1.0, "lower"),
@@ -108,7 +110,7 @@ def summarise(diffs: dict, sizes: dict) -> dict:
 
 
 def table(rows: dict) -> str:
-    lines = ["| metric | " + " | ".join(METHODS) + " |", "|---|" + "---|" * len(METHODS)]
+    body = []
     for name, (label, scale, better) in METRICS.items():
         best = (max if better == "higher" else min)(METHODS, key=lambda m: rows[m][name]["mean"])
         cells = []
@@ -116,9 +118,9 @@ def table(rows: dict) -> str:
             cell = f"{rows[m][name]['mean'] * scale:+.2f} ± {rows[m][name]['std'] * scale:.2f}"
             cells.append(f"**{cell}**" if m == best else cell)
         arrow = "↑" if better == "higher" else "↓"
-        lines.append(f"| {label} {arrow}" + (f" (x{scale:g})" if scale != 1 else "") + " | " + " | ".join(cells) + " |")
-    lines.append("| mean event size | " + " | ".join(f"{rows[m]['mean_event_size']:.1f}" for m in METHODS) + " |")
-    return "\n".join(lines)
+        body.append([f"{label} {arrow}" + (f" (x{scale:g})" if scale != 1 else ""), *cells])
+    body.append(["mean event size", *(f"{rows[m]['mean_event_size']:.1f}" for m in METHODS)])
+    return markdown_table(["metric", *METHODS], "l" * (1 + len(METHODS)), body)
 
 
 def plot(rows: dict, path: Path) -> None:

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from emllm.cli import peak_rss_mb
 
+from .markdown import table as markdown_table
 from .prompts import format_context, probe_suffix
 
 TASKS = ("passkey", "needle", "kv", "multidoc")
@@ -282,41 +283,37 @@ def accuracy_grid(rows: Sequence[dict[str, Any]]) -> str:
     cells: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for row in rows:
         cells.setdefault((row["method"], row["task"], row["length"]), []).append(row)
-    lines = ["| method | " + " | ".join(f"{task} {_short(length)}" for task, length in columns) + " |",
-             "|---|" + "---:|" * len(columns)]
+    header = ["method", *(f"{task} {_short(length)}" for task, length in columns)]
+    body = []
     for method in dict.fromkeys(r["method"] for r in rows):
         entries = []
         for task, length in columns:
             group = cells.get((method, task, length), [])
             mark = "!" if any(r["error"] for r in group) else ""
             entries.append(f"{sum(bool(r['correct']) for r in group)}/{len(group)}{mark}" if group else "–")
-        lines.append(f"| {method} | " + " | ".join(entries) + " |")
-    return "\n".join(lines)
+        body.append([method, *entries])
+    return markdown_table(header, "l" + "r" * len(columns), body)
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """Accuracy at a glance, the accuracy summary with the measurements, then one line per question."""
-    lines = ["## Accuracy at a glance (correct / asked)", "", accuracy_grid(rows), "",
-             "## Accuracy by task, method and length", "",
-             "| task | method | length | tokens | accuracy | questions | prefill s | s / query | decode ms/token | "
-             "peak RSS MB | mean event |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in summary(rows):
-        errors = f" ({s['errors']} failed)" if s["errors"] else ""
-        lines.append(f"| {s['task']} | {s['method']} | {s['length']:,} | {_num(s['tokens'], ',.0f')} | "
-                     f"{s['accuracy']:.0%} | {s['questions']}{errors} | {_num(s['prefill_seconds'], '.2f')} | "
-                     f"{_num(s['query_seconds'], '.2f')} | {_num(s['decode_ms_per_token'], '.1f')} | "
-                     f"{_num(s['peak_rss_mb'], ',.0f')} | {_num(s['mean_event_size'], '.1f')} |")
-    lines += ["", "## Every question", "",
-              "| task | method | tokens | depth | expected | output | correct | prefill s | s / query | "
-              "decode ms/token | peak RSS MB | mean event |", "|---|---|---:|---:|---|---|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        output = f"error: {r['error']}" if r["error"] else r["output"]
-        lines.append(f"| {r['task']} | {r['method']} | {_num(r['tokens'] or r['length'], ',')} | {r['depth']:.2f} | "
-                     f"{_cell(r['expected'])} | {_cell(output)} | {'yes' if r['correct'] else 'no'} | "
-                     f"{_num(r['prefill_seconds'], '.2f')} | {_num(r['query_seconds'], '.2f')} | "
-                     f"{_num(r['decode_ms_per_token'], '.1f')} | {_num(r['peak_rss_mb'], ',.0f')} | "
-                     f"{_num(r['mean_event_size'], '.1f')} |")
-    return "\n".join(lines)
+    summary_table = markdown_table(
+        ["task", "method", "length", "tokens", "accuracy", "questions", "prefill s", "s / query", "decode ms/token",
+         "peak RSS MB", "mean event"], "llrrrrrrrrr",
+        ([s["task"], s["method"], f"{s['length']:,}", _num(s["tokens"], ",.0f"), f"{s['accuracy']:.0%}",
+          f"{s['questions']}" + (f" ({s['errors']} failed)" if s["errors"] else ""),
+          _num(s["prefill_seconds"], ".2f"), _num(s["query_seconds"], ".2f"), _num(s["decode_ms_per_token"], ".1f"),
+          _num(s["peak_rss_mb"], ",.0f"), _num(s["mean_event_size"], ".1f")] for s in summary(rows)))
+    question_table = markdown_table(
+        ["task", "method", "tokens", "depth", "expected", "output", "correct", "prefill s", "s / query",
+         "decode ms/token", "peak RSS MB", "mean event"], "llrrlllrrrrr",
+        ([r["task"], r["method"], _num(r["tokens"] or r["length"], ","), f"{r['depth']:.2f}", _preview(r["expected"]),
+          _preview(f"error: {r['error']}" if r["error"] else r["output"]), "yes" if r["correct"] else "no",
+          _num(r["prefill_seconds"], ".2f"), _num(r["query_seconds"], ".2f"), _num(r["decode_ms_per_token"], ".1f"),
+          _num(r["peak_rss_mb"], ",.0f"), _num(r["mean_event_size"], ".1f")] for r in rows))
+    return "\n".join(["## Accuracy at a glance (correct / asked)", "", accuracy_grid(rows), "",
+                      "## Accuracy by task, method and length", "", summary_table, "",
+                      "## Every question", "", question_table])
 
 
 def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
@@ -644,8 +641,9 @@ def _num(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-def _cell(text: Any) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")[:80] or " "
+def _preview(text: Any, chars: int = 80) -> str:
+    """The start of a long answer for a table cell (the whole text is in bench.json)."""
+    return " ".join(str(text).split())[:chars]
 
 
 METRICS = (("prefill_seconds", "prefill time (s): reading the document(s) once"),

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .markdown import table as markdown_table
 from .prompts import document_starts, format_context, qa_suffix
 from .rag import CHUNK_WORDS, TOP_K, RAGBaseline, _check_order, _check_positive, _check_question, check_documents
 
@@ -73,13 +74,11 @@ class ComparisonResult:
                  f"order, full attention): {self.rag_chunks} chunks indexed"
                  + (f" in {rag[0].prefill_seconds:.1f} s" if rag else "") + ".",
                  "",
-                 "| question | method | answer | retrieved context | query s | decode s | tokens read |",
-                 "|---|---|---|---|---:|---:|---:|"]
-        for r in self.rows:
-            method = f"EM-LLM {self.preset}" if r.method == "em-llm" else "RAG"
-            lines.append(f"| {_cell(r.question)} | {method} | {_cell(r.answer)} | "
-                         f"{_cell(_preview(r, preview_chars, preview_items))} | {r.query_seconds:.2f} | "
-                         f"{r.decode_seconds:.2f} | {r.tokens_read:,} |")
+                 markdown_table(["question", "method", "answer", "retrieved context", "query s", "decode s",
+                                 "tokens read"], "llllrrr",
+                                ([r.question, f"EM-LLM {self.preset}" if r.method == "em-llm" else "RAG", r.answer,
+                                  _preview(r, preview_chars, preview_items), f"{r.query_seconds:.2f}",
+                                  f"{r.decode_seconds:.2f}", f"{r.tokens_read:,}"] for r in self.rows))]
         return "\n".join(lines)
 
 
@@ -94,10 +93,6 @@ def _preview(row: ComparisonRow, chars: int, items: int) -> str:
         parts.append(f"{label}: {flat[:chars]}{'…' if len(flat) > chars else ''}")
     more = len(row.context) - items
     return "; ".join(parts) + (f"; … {more} more" if more > 0 else "")
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|") or " "
 
 
 # ---------------------------------------------------------------------- EM-LLM retrieval -> document spans
