@@ -45,8 +45,9 @@ def table(rows: list[dict]) -> str:
     base = rows[0]
     return markdown_table(
         ["call", "prompt tokens", "tokens read", "seconds", "read ratio", "time ratio", "key found"], "lrrrrrl",
-        ([r["call"], f"{r['input_tokens']:,}", f"{r['read']:,}", f"{r['seconds']:.1f}", f"{r['read'] / base['read']:.3%}",
-          f"{r['seconds'] / base['seconds']:.3%}", f"{'yes' if r['correct'] else 'no'} ({r['answer'].strip()!r})"]
+        ([r["call"], f"{r['input_tokens']:,}", f"{r['read']:,}", f"{r['seconds']:.1f}",
+          f"{r['read'] / base['read']:.3%}", f"{r['seconds'] / base['seconds']:.3%}",
+          f"{'yes' if r['correct'] else 'no'} ({r['answer'].strip()!r})"]
          for r in rows))
 
 
