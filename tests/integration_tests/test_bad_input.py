@@ -12,8 +12,8 @@ from .conftest import make_engine
 
 
 @pytest.fixture(scope="module")
-def engine(smol_bf16):
-    return make_engine(smol_bf16, "S")
+def engine(smol_fast):
+    return make_engine(smol_fast, "S")
 
 
 @pytest.mark.parametrize("text", ["", "   \n\t  "])
@@ -37,8 +37,8 @@ def test_unsupported_model_dir(tmp_path):
         EMEngine.from_pretrained(str(tmp_path))
 
 
-def test_sizes_beyond_the_model_positions(smol_bf16):
-    model, tokenizer = smol_bf16
+def test_sizes_beyond_the_model_positions(smol_fast):
+    model, tokenizer = smol_fast
     with pytest.raises(ConfigError, match="n_local"):
         EMEngine(model, tokenizer, EMConfig.from_preset("SM", n_local=8000, n_mem=2048))
 
@@ -60,8 +60,8 @@ def test_bad_sampling_arguments(engine):
             engine.generate("Hello", **kwargs)
 
 
-def test_input_over_the_configured_limit_is_refused_before_work(smol_bf16):
-    engine = make_engine(smol_bf16, "S", max_input_tokens=100)
+def test_input_over_the_configured_limit_is_refused_before_work(smol_fast):
+    engine = make_engine(smol_fast, "S", max_input_tokens=100)
     memory = engine.new_memory()
     with pytest.raises(ValueError, match="max_input_tokens"):
         engine.read(memory, "word " * 500)

@@ -14,8 +14,8 @@ QUESTION = [{"role": "user", "content": "List three colours of the rainbow."}]
 
 
 @pytest.fixture(scope="module")
-def engine(smol_bf16):
-    return make_engine(smol_bf16, "SM")
+def engine(smol_fast):
+    return make_engine(smol_fast, "SM")
 
 
 def test_stream_deltas_join_to_the_result(engine):

@@ -15,8 +15,8 @@ TOKENS = 3500
 
 
 @pytest.fixture(scope="module")
-def doc(smol_bf16):
-    _, tokenizer = smol_bf16
+def doc(smol_fast):
+    _, tokenizer = smol_fast
     return passkey_document(TOKENS, 0.4, lambda t: len(tokenizer(t, add_special_tokens=False)["input_ids"]), seed=7)
 
 
@@ -26,8 +26,8 @@ def _engine(pair, **overrides):
 
 
 @pytest.fixture(scope="module")
-def in_ram(smol_bf16, doc):
-    engine = _engine(smol_bf16)
+def in_ram(smol_fast, doc):
+    engine = _engine(smol_fast)
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
     yield engine, memory, result
@@ -43,8 +43,8 @@ def test_episodic_memory_finds_the_key(in_ram_answer, doc):
     assert doc.answer in in_ram_answer.text
 
 
-def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_bf16, doc, in_ram_answer, tmp_path):
-    engine = _engine(smol_bf16, ram_budget_mb=6, offload_dir=str(tmp_path))  # ~2 of the pages fit in RAM
+def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_fast, doc, in_ram_answer, tmp_path):
+    engine = _engine(smol_fast, ram_budget_mb=6, offload_dir=str(tmp_path))  # ~2 of the pages fit in RAM
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
     tiers = memory.stats()["tokens_per_tier"]
@@ -57,8 +57,8 @@ def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_bf16, doc, in_ram
     assert os.listdir(tmp_path) == []
 
 
-def test_faiss_and_torch_retrieval_give_the_same_answer(smol_bf16, doc, in_ram_answer):
-    engine = _engine(smol_bf16, retrieval_backend="faiss")
+def test_faiss_and_torch_retrieval_give_the_same_answer(smol_fast, doc, in_ram_answer):
+    engine = _engine(smol_fast, retrieval_backend="faiss")
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
     assert memory.layers[0].index.uses_faiss()
@@ -94,7 +94,7 @@ def test_device_map_auto_loads_and_runs():
     """accelerate's device_map places each layer; each layer's memory lives on its layer's device."""
     from emllm.models import load_model
 
-    pair = load_model(dtype="bfloat16", device_map="auto")
+    pair = load_model(dtype="auto", device_map="auto")
     engine = EMEngine(*pair, EMConfig.from_preset("S", n_init=32, n_local=256, n_mem=256, chunk_size=128,
                                                   max_block_size=64))
     memory = engine.new_memory()

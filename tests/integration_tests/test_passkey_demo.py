@@ -48,8 +48,8 @@ def _ask_at_every_depth(engine: EMEngine):
 
 @pytest.mark.slow(seconds=300)
 @pytest.mark.parametrize("preset", ["S", "SM"])
-def test_episodic_memory_finds_the_key_at_three_depths(smol_bf16, preset):
-    engine = EMEngine(*smol_bf16, EMConfig.from_preset(preset, **LAYOUT))
+def test_episodic_memory_finds_the_key_at_three_depths(smol_fast, preset):
+    engine = EMEngine(*smol_fast, EMConfig.from_preset(preset, **LAYOUT))
     answers = _ask_at_every_depth(engine)
     for doc, result, events in answers:
         assert result.input_tokens >= TOKENS
@@ -67,8 +67,8 @@ FULL_DEPTHS = [pytest.param(depth, marks=[] if depth == 0.5 or ALL_DEPTHS else p
 @pytest.mark.slow(seconds=650)
 @pytest.mark.timeout(2400)  # quadratic: 32K tokens of full attention take 5-10 minutes on 2 cores
 @pytest.mark.parametrize("depth", FULL_DEPTHS)
-def test_full_attention_cannot(smol_bf16, depth):
-    engine = EMEngine(*smol_bf16, EMConfig.from_preset("full"))
+def test_full_attention_cannot(smol_fast, depth):
+    engine = EMEngine(*smol_fast, EMConfig.from_preset("full"))
     doc, result, _ = _ask(engine, depth)
     assert result.input_tokens >= TOKENS
     assert doc.answer not in result.text, f"full attention unexpectedly found the key: {result.text!r}"

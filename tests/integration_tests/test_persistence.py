@@ -1,4 +1,4 @@
-"""Saving and loading an episodic memory of the real model (SmolLM2-135M-Instruct, bf16).
+"""Saving and loading an episodic memory of the real model (SmolLM2-135M-Instruct, in its fast dtype).
 
 A memory that read a ~1K-token document with most of its evicted pages on disk (64-token pages, a RAM budget of
 one and a half pages) is saved, loaded and questioned: the loaded memory must give exactly the same greedy tokens
@@ -19,15 +19,13 @@ import time
 import pytest
 import torch
 
-from emllm import StorageFullError
+from emllm import StorageFullError, load_model
 from emllm.persistence import KV_FILE, MemoryFileError, load_memory, save_memory
 from tests.tmpfs import mounted_tmpfs
 from tests.unit_tests.test_persistence_unit import (flip_bit, kill_after, memory_differences, open_memories,
                                                     run_child, siblings, tiny_engine)
 
-from .conftest import make_engine
-
-PAGE_BYTES_MB = 30 * 2 * 64 * 3 * 64 * 2 / 2**20  # one 64-token bf16 page of SmolLM2: 1.4 MB
+from .conftest import make_engine, page_mb
 
 
 def document(words: int = 800, seed: int = 0) -> str:
@@ -64,8 +62,9 @@ def offload(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(smol_bf16, offload):
-    return make_engine(smol_bf16, "SM", page_tokens=64, ram_budget_mb=1.5 * PAGE_BYTES_MB, offload_dir=str(offload))
+def engine(smol_fast, offload):
+    budget = 1.5 * page_mb(smol_fast[0], 64)  # one 64-token page of SmolLM2 is 1.4 MB in bf16, 2.8 MB in fp32
+    return make_engine(smol_fast, "SM", page_tokens=64, ram_budget_mb=budget, offload_dir=str(offload))
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +111,13 @@ def test_a_memory_of_another_model_is_refused(engine, saved, tmp_path):
         load_memory(toy_save, engine)
 
 
-def test_the_same_model_in_another_dtype_is_refused(smol_fp32, saved):
-    fp32 = make_engine(smol_fp32, "SM")
-    with pytest.raises(MemoryFileError, match="dtype: saved 'bfloat16', engine 'float32'"):
-        load_memory(saved, fp32)
-    assert open_memories(fp32) == []
+def test_the_same_model_in_another_dtype_is_refused(engine, saved):
+    saved_dtype = str(engine.model.dtype).removeprefix("torch.")
+    other_dtype = "float32" if saved_dtype == "bfloat16" else "bfloat16"
+    other = make_engine(load_model(dtype=other_dtype, device="cpu", progress=False), "SM")
+    with pytest.raises(MemoryFileError, match=f"dtype: saved '{saved_dtype}', engine '{other_dtype}'"):
+        load_memory(saved, other)
+    assert open_memories(other) == []
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bit flip"])

@@ -13,16 +13,16 @@ from emllm import EMConfig, MemoryPool, shared_engine
 from emllm.sessions import loaded_engines
 from emllm.tasks import passkey_document
 
-from .conftest import SMALL, make_engine
+from .conftest import SMALL, make_engine, page_mb
 
-# Small pages (128 tokens, ~2.9 MB in bf16) and an 8 MB RAM budget (2 pages): of the ~900 tokens a 1,500-token
-# document evicts, most pages go to disk, so sharing disk files between forks is tested.
-OFFLOAD = dict(page_tokens=128, ram_budget_mb=8)
+# Small pages (128 tokens, ~2.9 MB in bf16, 5.6 MB in fp32) and a RAM budget of two and a half pages: of the ~900
+# tokens a 1,500-token document evicts, most pages go to disk, so sharing disk files between forks is tested.
+PAGE_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
-def engine(smol_bf16):
-    return make_engine(smol_bf16, "S", **OFFLOAD)
+def engine(smol_fast):
+    return make_engine(smol_fast, "S", page_tokens=PAGE_TOKENS, ram_budget_mb=2.5 * page_mb(smol_fast[0], PAGE_TOKENS))
 
 
 @pytest.fixture(scope="module")
