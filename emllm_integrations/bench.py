@@ -180,8 +180,14 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
 
 
 def settings_record(settings: BenchSettings) -> dict[str, Any]:
-    """What must match for rows of two runs to sit in one table (threads change times, not answers: left out)."""
-    return {"model": settings.model, "dtype": settings.dtype, "seed": settings.seed,
+    """What must match for rows of two runs to sit in one table (threads change times, not answers: left out).
+
+    The dtype is recorded as resolved on this machine: "auto" is bfloat16 on one CPU and float32 on another, and a
+    table resumed on the other machine would otherwise mix two experiments under one name."""
+    from emllm.models import resolve_dtype
+
+    dtype = str(resolve_dtype(settings.dtype)).removeprefix("torch.")
+    return {"model": settings.model, "dtype": dtype, "seed": settings.seed,
             "max_new_tokens": settings.max_new_tokens, "engine_fields": dict(settings.engine_fields),
             "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc}
 

@@ -110,8 +110,8 @@ def bench(args: argparse.Namespace) -> int:
     fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir",
                                                      "retrieval_scoring")
               if getattr(args, name, None) is not None}
-    record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, seed=args.seed,
-                                           max_new_tokens=args.max_new_tokens, engine_fields=fields))
+    record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, args.dtype,
+                                           seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields))
     try:
         if args.resume:
             done = load_done(args.out, record)
@@ -120,8 +120,8 @@ def bench(args: argparse.Namespace) -> int:
                              "(cells already measured are skipped), or give another --out.")
         else:
             done = []
-        rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, seed=args.seed,
-                         max_new_tokens=args.max_new_tokens, engine_fields=fields,
+        rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, dtype=args.dtype,
+                         seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                          full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads,
                          done=done, on_cell=lambda so_far: write_report(so_far, args.out, record))
     except BenchRequirementError as error:
@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                              "its peak RSS is its own. Lengths take K/M suffixes (4K = 4096); past RAM, use "
                              "--ram-budget-mb with --offload-dir.")
     p_bench.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
+    p_bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="weights dtype (default auto: bfloat16 where the CPU or GPU has native bf16, else "
+                              "float32); recorded in bench-settings.json as resolved")
     p_bench.add_argument("--tasks", nargs="+", default=["passkey", "needle", "kv", "multidoc"],
                          choices=["passkey", "needle", "kv", "multidoc"])
     p_bench.add_argument("--methods", nargs="+", default=["S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm",

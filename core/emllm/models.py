@@ -506,6 +506,17 @@ def _cpu_has_fast_bf16() -> bool:
     return False
 
 
+def resolve_dtype(dtype: torch.dtype | str = "auto", device: str | torch.device | None = None) -> torch.dtype:
+    """The dtype ``load_model(dtype=..., device=...)`` loads the weights in on this machine.
+
+    "auto" depends on the hardware (bfloat16 on CUDA with bf16 and on CPUs with native bf16, else float32), and
+    answers differ slightly between dtypes: results that must be compared record what this returns, not "auto".
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return _resolve_dtype(dtype, torch.device(device))
+
+
 def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -554,7 +565,7 @@ def load_model(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    torch_dtype = _resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)
 
     with _progress_bars(progress):
         kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "local_files_only": True}

@@ -174,6 +174,26 @@ def test_resume_refuses_rows_measured_with_other_settings(tmp_path):
     assert bench.load_done(tmp_path / "empty", settings) == []  # nothing there yet: a fresh start
 
 
+def test_settings_record_the_dtype_this_machine_runs_so_a_resume_elsewhere_cannot_mix_dtypes(tmp_path):
+    from emllm.models import resolve_dtype
+
+    auto = bench.settings_record(bench.BenchSettings(("passkey",), (0.5,)))
+    assert auto["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.") != "auto"
+    assert bench.settings_record(bench.BenchSettings(("passkey",), (0.5,), dtype="float16"))["dtype"] == "float16"
+    other = "float32" if auto["dtype"] == "bfloat16" else "bfloat16"
+    write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path, dict(auto, dtype=other))
+    with pytest.raises(ValueError, match=f"dtype: earlier '{other}', now '{auto['dtype']}'"):
+        bench.load_done(tmp_path, auto)
+
+
+def test_cli_resume_checks_the_dtype_given_with_dtype(tmp_path, capsys):
+    write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path,
+                 bench.settings_record(bench.BenchSettings(("passkey",), (0.5,), dtype="float16")))
+    args = ["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(tmp_path), "--resume"]
+    assert main(args + ["--dtype", "float32"]) == 2
+    assert "dtype: earlier 'float16', now 'float32'" in capsys.readouterr().err
+
+
 def test_cli_will_not_overwrite_earlier_results_without_resume(tmp_path, capsys):
     write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path)
     assert main(["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(tmp_path)]) == 2

@@ -142,6 +142,13 @@ def test_dtype_resolution():
         models._resolve_dtype("int8", cpu)
 
 
+def test_auto_dtype_is_bfloat16_exactly_where_the_cpu_has_native_bf16():
+    expected = torch.bfloat16 if models._cpu_has_fast_bf16() else torch.float32
+    assert models.resolve_dtype("auto", "cpu") is expected
+    assert models.resolve_dtype("float16", "cpu") is torch.float16
+    assert models.resolve_dtype() is models.resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _fake_weights(directory, size: int) -> None:
     (directory / "model.safetensors").write_bytes(b"\0" * size)
 
