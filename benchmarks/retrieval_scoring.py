@@ -8,9 +8,18 @@ ranked by the attention the queries give their stored tokens; "attention, keys f
 RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
 from the store's pages, as before the copy existed), the needle document (Paul Graham essays, a 7-digit number) is
 read, then the question with the start of its answer. The table gives how many of the model's layers hold the
-needle's event in attention when the answer starts, the answer, and the seconds: reading (the question included),
+needle's event in attention when the answer starts ("local window" when the needle was never evicted, so every layer
+sees it), the answer, and the seconds: reading (the question included),
 answering, and decoding per token (a retrieval per token per layer). The haystack is read once per variant and
 forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md}.
+
+    python benchmarks/retrieval_scoring.py --task multidoc --model qwen --tokens 32768 \
+        --variants representatives attention
+
+does the same for the bench's multi-document QA (`emllm bench --tasks multidoc`: the same documents, seed and
+prompts): the document set is read once per variant, then each question from a fork of that memory, as the bench
+asks; "layers holding the needle" counts the layers holding the event of the fact sentence that answers the
+question. Writes benchmarks/results/retrieval_scoring_multidoc_<model>_<tokens>.{json,md}.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -32,60 +43,135 @@ VARIANTS = {  # name -> EMConfig fields
 }
 
 
-def run(tokens: int, depths: list[float], preset: str) -> list[dict]:
+def run(tokens: int, depths: list[float], preset: str, task: str = "needle", model: str | None = None,
+        variants: list[str] | None = None) -> list[dict]:
     from emllm import EMEngine
-    from emllm.tasks import needle_document
-    from emllm_integrations.prompts import probe_suffix
 
-    engine = EMEngine.from_pretrained(preset=preset)
-    docs = [needle_document(tokens, depth, engine.count_tokens, seed=7) for depth in depths]
-    prompts = [engine.tokenize(doc.context + probe_suffix(doc.question, doc.answer_lead)) for doc in docs]
-    # The needle's token span: tokens before it, and through its end (a boundary token may straddle; spans overlap).
-    spans = [(engine.count_tokens(doc.context[:doc.needle_offset]),
-              engine.count_tokens(doc.context[:doc.needle_offset + len(doc.needle)])) for doc in docs]
+    engine = EMEngine.from_pretrained(model, preset=preset)
+    probes = (_needle_probes if task == "needle" else _multidoc_probes)(engine, tokens, depths)
+    chosen = {name: VARIANTS[name] for name in (variants or VARIANTS)}
     rows = []
-    with tqdm(total=len(VARIANTS) * len(docs), desc="retrieval scoring", unit="doc") as bar:
-        for variant, fields in VARIANTS.items():
+    with tqdm(total=len(chosen) * len(probes.questions), desc="retrieval scoring", unit="question") as bar:
+        for variant, fields in chosen.items():
             config = engine.config.replace(**fields)
-            for (memory, read_seconds), doc, ids, (first, last) in zip(engine.read_each(prompts, config=config),
-                                                                       docs, prompts, spans):
+            for memory, read_seconds, question in probes.memories(engine, config):
+                first, last = question.span
+                stats = memory.stats()
+                # in the local window (or the sinks) every layer attends to the needle without retrieving it
+                in_window = first >= stats["tokens_sinks"] + stats["tokens_evicted"] or last <= stats["tokens_sinks"]
                 layers = sum(event.layers for event in memory.retrieved_events()
                              if event.start < last and event.end > first)
                 num_layers = len(memory.layers)
                 started = time.perf_counter()
-                answer = engine.generate(ids, memory=memory, max_new_tokens=10)
+                answer = engine.generate(question.ids, memory=memory, max_new_tokens=10)
                 answer_seconds = time.perf_counter() - started
                 memory.close()
-                rows.append({"variant": variant, "tokens": len(ids), "depth": doc.depth, "expected": doc.answer,
-                             "needle_layers": layers, "num_layers": num_layers,
-                             "output": answer.text.strip(), "correct": doc.answer in answer.text,
+                rows.append({"task": task, "variant": variant, "tokens": len(question.ids), "depth": question.depth,
+                             "expected": question.answer, "needle_layers": layers, "num_layers": num_layers,
+                             "needle_in_window": in_window,
+                             "output": answer.text.strip(), "correct": question.answer in answer.text,
                              "read_seconds": read_seconds, "answer_seconds": answer_seconds,
                              "decode_ms_per_token": 1000 * answer.decode_seconds / max(1, len(answer.token_ids))})
                 bar.update()
-                tqdm.write(f"{variant:>26} depth {doc.depth:.2f}: needle in {layers}/{num_layers} layers, "
+                tqdm.write(f"{variant:>26} depth {question.depth:.2f}: needle held by {_layers_text(rows[-1])}, "
                            f"{'correct' if rows[-1]['correct'] else 'wrong'} ({rows[-1]['output']!r})")
     return rows
+
+
+@dataclass(frozen=True)
+class _Question:
+    depth: float
+    answer: str
+    ids: list[int]              # the whole prompt: context, question, answer lead-in
+    span: tuple[int, int]       # the answering sentence's tokens (a boundary token may straddle: spans overlap)
+
+
+@dataclass(frozen=True)
+class _Probes:
+    questions: list[_Question]
+    shared_context: list[int] | None  # multidoc: one context for every question, read once, asked from forks
+
+    def memories(self, engine, config) -> Iterator[tuple[object, float, _Question]]:
+        """A memory that has read each question's whole prompt, and the seconds reading it alone costs."""
+        if self.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
+            reads = engine.read_each([q.ids for q in self.questions], config=config)
+            for (memory, seconds), question in zip(reads, self.questions):
+                yield memory, seconds, question
+            return
+        context = engine.new_memory(config)
+        started = time.perf_counter()
+        engine.read(context, self.shared_context)
+        context_seconds = time.perf_counter() - started
+        try:
+            for question in self.questions:
+                memory = context.fork()
+                started = time.perf_counter()
+                engine.read(memory, question.ids[len(self.shared_context):])  # what generate would read first
+                yield memory, context_seconds + time.perf_counter() - started, question
+        finally:
+            context.close()
+
+
+def _token_span(engine, text: str, start: int, end: int) -> tuple[int, int]:
+    return engine.count_tokens(text[:start]), engine.count_tokens(text[:end])
+
+
+def _needle_probes(engine, tokens: int, depths: list[float]) -> _Probes:
+    from emllm.tasks import needle_document
+    from emllm_integrations.prompts import probe_suffix
+
+    docs = [needle_document(tokens, depth, engine.count_tokens, seed=7) for depth in depths]
+    return _Probes([_Question(doc.depth, doc.answer, engine.tokenize(doc.context + probe_suffix(doc.question,
+                                                                                              doc.answer_lead)),
+                              _token_span(engine, doc.context, doc.needle_offset, doc.needle_offset + len(doc.needle)))
+                    for doc in docs], None)
+
+
+def _multidoc_probes(engine, tokens: int, depths: list[float]) -> _Probes:
+    """The bench's multidoc item at this length (its documents, seed and prompts), one question per depth."""
+    from emllm_integrations.bench import BenchSettings, _items
+    from emllm_integrations.prompts import format_context, probe_suffix
+
+    (item,) = _items("multidoc", tokens, BenchSettings(("multidoc",), tuple(depths)), engine.count_tokens)
+    context = format_context(list(item.documents))
+    context_ids = engine.tokenize(context)
+    questions = []
+    for question, answer, depth, lead in item.questions:
+        fact = f"{lead} {answer}."  # the fact sentence, stated in exactly one document (tasks.MULTIDOC_FACT)
+        where = context.index(fact)
+        questions.append(_Question(depth, answer, context_ids + engine.tokenize(probe_suffix(question, lead)),
+                                   _token_span(engine, context, where, where + len(fact))))
+    return _Probes(questions, context_ids)
+
+
+def _layers_text(row: dict) -> str:
+    return "local window" if row.get("needle_in_window") else f"{row['needle_layers']}/{row['num_layers']}"
 
 
 def table(rows: list[dict]) -> str:
     return markdown_table(
         ["retrieval", "tokens", "depth", "layers holding the needle", "expected", "output", "correct", "read s",
          "answer s", "decode ms/token"], "lrrrlllrrr",
-        ([r["variant"], f"{r['tokens']:,}", f"{r['depth']:.2f}", f"{r['needle_layers']}/{r['num_layers']}",
+        ([r["variant"], f"{r['tokens']:,}", f"{r['depth']:.2f}", _layers_text(r),
           r["expected"], repr(r["output"]), "yes" if r["correct"] else "no", f"{r['read_seconds']:.0f}",
           f"{r['answer_seconds']:.1f}", f"{r['decode_ms_per_token']:.0f}"] for r in rows))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=["needle", "multidoc"], default="needle")
+    parser.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
     parser.add_argument("--tokens", type=int, default=16_384)
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     parser.add_argument("--preset", default="S")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
-    rows = run(args.tokens, args.depths, args.preset)
+    rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants)
+    name = "retrieval_scoring" if args.task == "needle" else \
+        f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "retrieval_scoring.json").write_text(json.dumps(rows, indent=1))
-    (RESULTS / "retrieval_scoring.md").write_text(table(rows) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / f"{name}.md").write_text(table(rows) + "\n")
     print(table(rows))
 
 
