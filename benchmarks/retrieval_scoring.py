@@ -44,10 +44,10 @@ VARIANTS = {  # name -> EMConfig fields
 
 
 def run(tokens: int, depths: list[float], preset: str, task: str = "needle", model: str | None = None,
-        variants: list[str] | None = None) -> list[dict]:
+        variants: list[str] | None = None, **engine_fields) -> list[dict]:
     from emllm import EMEngine
 
-    engine = EMEngine.from_pretrained(model, preset=preset)
+    engine = EMEngine.from_pretrained(model, preset=preset, **engine_fields)
     probes = (_needle_probes if task == "needle" else _multidoc_probes)(engine, tokens, depths)
     chosen = {name: VARIANTS[name] for name in (variants or VARIANTS)}
     rows = []
@@ -165,10 +165,13 @@ def main() -> None:
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     parser.add_argument("--preset", default="S")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--n-mem", dest="n_mem", type=int, help="retrieved-event token budget (default: EMConfig's)")
     args = parser.parse_args()
-    rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants)
+    fields = {} if args.n_mem is None else {"n_mem": args.n_mem}
+    rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants, **fields)
     name = "retrieval_scoring" if args.task == "needle" else \
         f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
+    name += "".join(f"_{key.replace('_', '')}{value}" for key, value in fields.items())
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / f"{name}.md").write_text(table(rows) + "\n")
