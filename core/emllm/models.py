@@ -512,9 +512,12 @@ def resolve_dtype(dtype: torch.dtype | str = "auto", device: str | torch.device 
     "auto" depends on the hardware (bfloat16 on CUDA with bf16 and on CPUs with native bf16, else float32), and
     answers differ slightly between dtypes: results that must be compared record what this returns, not "auto".
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return _resolve_dtype(dtype, torch.device(device))
+    return _resolve_dtype(dtype, _device_or_default(device))
+
+
+def _device_or_default(device: str | torch.device | None) -> torch.device:
+    """The device load_model uses when none is given: CUDA when present."""
+    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
@@ -562,9 +565,7 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_supported(config)
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = _device_or_default(device)
     torch_dtype = resolve_dtype(dtype, device)
 
     with _progress_bars(progress):

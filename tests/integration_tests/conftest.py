@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from emllm import EMConfig, EMEngine, load_model
+from emllm.storage import PageStore
 
 # A small layout keeps the real-model tests fast while exercising every part of the method:
 # sinks, a local window, retrieved events, eviction and refinement.
@@ -35,12 +36,11 @@ def smol_fast():
     return load_model(dtype="auto", device="cpu")
 
 
-def page_mb(model, page_tokens: int) -> float:
-    """Size of one KV page of ``model`` in its dtype (keys and values of every layer), for RAM budgets in pages."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * model.dtype.itemsize
-    return page_tokens * per_token / 2**20
+def page_mb(pair, page_tokens: int) -> float:
+    """Size of one KV page in the loaded dtype, as the engine's own store counts it, for RAM budgets in pages."""
+    shape = make_engine(pair).shape
+    store = PageStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, page_tokens=page_tokens)
+    return store.page_bytes / 2**20
 
 
 def make_engine(pair, preset: str = "SM", **overrides) -> EMEngine:

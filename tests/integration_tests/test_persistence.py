@@ -63,7 +63,7 @@ def offload(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(smol_fast, offload):
-    budget = 1.5 * page_mb(smol_fast[0], 64)  # one 64-token page of SmolLM2 is 1.4 MB in bf16, 2.8 MB in fp32
+    budget = 1.5 * page_mb(smol_fast, 64)  # one 64-token page of SmolLM2 is 1.4 MB in bf16, 2.8 MB in fp32
     return make_engine(smol_fast, "SM", page_tokens=64, ram_budget_mb=budget, offload_dir=str(offload))
 
 

@@ -22,7 +22,7 @@ PAGE_TOKENS = 128
 
 @pytest.fixture(scope="module")
 def engine(smol_fast):
-    return make_engine(smol_fast, "S", page_tokens=PAGE_TOKENS, ram_budget_mb=2.5 * page_mb(smol_fast[0], PAGE_TOKENS))
+    return make_engine(smol_fast, "S", page_tokens=PAGE_TOKENS, ram_budget_mb=2.5 * page_mb(smol_fast, PAGE_TOKENS))
 
 
 @pytest.fixture(scope="module")
