@@ -40,6 +40,8 @@ VARIANTS = {  # name -> EMConfig fields
     "representatives": {"retrieval_scoring": "representatives"},
     "attention": {"retrieval_scoring": "attention"},
     "attention, keys from pages": {"retrieval_scoring": "attention", "ram_budget_mb": 1e6},
+    "ordered": {"retrieval_scoring": "representatives", "memory_positions": "ordered"},
+    "attention, ordered": {"retrieval_scoring": "attention", "memory_positions": "ordered"},
 }
 
 

@@ -6,6 +6,8 @@ rotate them ourselves with the model's own table (rope.py):
 
     local window   queries at their window position, keys at theirs   -> exact relative positions
     memory part    queries at position n_local, keys at position 0    -> one fixed distance (InfLLM)
+                   or, with memory_positions="ordered", memory keys at 0..m-1 in input order and the window's
+                   queries right after them (at m + their window position): one contiguous context
 
 Shapes (batch 1 per memory): query [1, heads, q, d], key/value [1, kv_heads, q, d]. Query heads are grouped by the
 KV head they share (heads = kv_heads * groups, as transformers' repeat_kv orders them), so keys are never copied.
@@ -62,8 +64,15 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     if memory.has_memory_part:
         q_memory = _group(rope.rotate_at(query, memory.config.n_local), kv_heads)      # [1, kv, g*q, d]
         if memory.retrieve_now and layer.index.size:
-            layer.retrieve(q_memory[0], memory, scaling)
-        parts.append(_grouped(_attend(q_memory, layer.memory_keys[None], layer.memory_values[None], scaling,
+            layer.retrieve(q_memory[0], memory, scaling)  # ranking is the same under either memory position rule
+        memory_keys = layer.memory_keys
+        if memory.config.memory_positions == "ordered":
+            m = memory_keys.shape[1]
+            rope.ensure(m + window)
+            q_memory = _group(rope.rotate(query, torch.arange(m + window - q, m + window, device=query.device)),
+                              kv_heads)
+            memory_keys = layer.ordered_memory_keys()
+        parts.append(_grouped(_attend(q_memory, memory_keys[None], layer.memory_values[None], scaling,
                                       causal=False), heads, q))
     out, lse = _merge(parts)                                                            # [1, heads, q, d], [1, heads, q]
     if memory.config.attention == "episodic":

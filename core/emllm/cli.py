@@ -10,14 +10,14 @@ import sys
 import time
 from typing import get_args
 
-from .config import PRESETS, RetrievalScoring
+from .config import PRESETS, MemoryPositions, RetrievalScoring
 
 
 def _engine(args: argparse.Namespace):
     from .engine import EMEngine
 
     overrides = {}
-    for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring"):
+    for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "memory_positions"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -108,7 +108,7 @@ def bench(args: argparse.Namespace) -> int:
               "notebooks]'", file=sys.stderr)
         return 2
     fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir",
-                                                     "retrieval_scoring")
+                                                     "retrieval_scoring", "memory_positions")
               if getattr(args, name, None) is not None}
     record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, args.dtype,
                                            seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields))
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float, help="RAM for evicted KV; rest on disk")
         p.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=get_args(RetrievalScoring),
                        help="how events are ranked for retrieval (default representatives; see EMConfig)")
+        p.add_argument("--memory-positions", dest="memory_positions", choices=get_args(MemoryPositions),
+                       help="where retrieved events sit for RoPE (default fixed, as in the paper; see EMConfig)")
 
     p_demo = sub.add_parser("demo", help="find a pass key hidden in a 32K+ token document")
     common(p_demo)
@@ -213,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--chunk-size", dest="chunk_size", type=int, help="EM-LLM: tokens per forward while reading")
     p_bench.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=get_args(RetrievalScoring),
                          help="EM-LLM: how events are ranked for retrieval (default representatives; see EMConfig)")
+    p_bench.add_argument("--memory-positions", dest="memory_positions", choices=get_args(MemoryPositions),
+                         help="EM-LLM: where retrieved events sit for RoPE (default fixed, as in the paper; see "
+                              "EMConfig)")
     p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
                          help="EM-LLM: RAM for evicted KV; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")

@@ -22,6 +22,7 @@ Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
 RetrievalBackend = Literal["auto", "torch", "faiss"]
 RetrievalScoring = Literal["representatives", "attention"]
+MemoryPositions = Literal["fixed", "ordered"]
 
 
 class ConfigError(ValueError):
@@ -78,6 +79,12 @@ class EMConfig:
     # --- attention ---
     attention: AttentionMode = "episodic"
     """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
+    memory_positions: MemoryPositions = "fixed"
+    """Where sinks and retrieved events sit for the model's positional encoding. "fixed", as in the paper and
+    InfLLM: every one of their keys at one position, n_local before the queries, so the model sees them as an
+    unordered set (word order inside an event is lost to attention). "ordered": they are laid out in input order
+    at positions 0..m-1 and the local window follows at m, so the model reads one contiguous context of at most
+    n_init + n_mem + n_local tokens, well inside its trained length. Retrieval is the same in both."""
 
     # --- storage ---
     page_tokens: int = 1024
@@ -115,6 +122,7 @@ class EMConfig:
         _check_choice("attention", self.attention, get_args(AttentionMode))
         _check_choice("retrieval_backend", self.retrieval_backend, get_args(RetrievalBackend))
         _check_choice("retrieval_scoring", self.retrieval_scoring, get_args(RetrievalScoring))
+        _check_choice("memory_positions", self.memory_positions, get_args(MemoryPositions))
         if self.min_block_size > self.max_block_size:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "
@@ -157,16 +165,24 @@ class EMConfig:
                               f"(it has {num_layers}: 0..{num_layers - 1}).")
         if self.attention == "full":
             return
-        needed = self.max_position()
+        needed = self.rope_positions()
         if needed > max_positions:
+            layout = "n_init + n_local + 2*max_block_size + chunk_size"
+            if self.memory_positions == "ordered":
+                layout = "n_init + n_mem + n_local + 2*max_block_size + chunk_size (memory_positions='ordered')"
             raise ConfigError(
-                f"n_init + n_local + 2*max_block_size + chunk_size = {needed} relative positions, but the model was "
-                f"trained on {max_positions}. Lower n_local (now {self.n_local}) or chunk_size (now "
-                f"{self.chunk_size}) so the window fits the model's context.")
+                f"{layout} = {needed} relative positions, but the model was trained on {max_positions}. Lower "
+                f"n_local (now {self.n_local}), n_mem (now {self.n_mem}) or chunk_size (now {self.chunk_size}) so "
+                "the context fits the model's trained length.")
 
     def max_position(self) -> int:
         """The largest relative position the local window can reach (see EpisodicMemory.evict for why)."""
         return self.n_init + self.n_local + 2 * self.max_block_size + self.chunk_size
+
+    def rope_positions(self) -> int:
+        """Positions the rotary table must cover: the window's, and under ordered memory positions the memory part
+        (sinks + at most n_mem retrieved tokens) laid out before it."""
+        return self.max_position() + (self.n_mem if self.memory_positions == "ordered" else 0)
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -92,7 +92,7 @@ class EMEngine:
         self.config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
         rotary = attention.find_rotary_module(model)
         self.layer_devices = [next(layer.parameters()).device for layer in model.model.layers]
-        table_size = self.config.max_position() if self.config.attention == "episodic" else self.shape.max_positions
+        table_size = self.config.rope_positions() if self.config.attention == "episodic" else self.shape.max_positions
         self._rotary = rotary
         self._ropes = {d: RotaryTable.from_rotary_module(rotary, table_size, self.shape.dtype, d)
                        for d in dict.fromkeys(self.layer_devices)}
@@ -127,8 +127,8 @@ class EMEngine:
         if config is not self.config:
             config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
         ropes = self._ropes
-        if config.attention == "episodic" and config.max_position() > next(iter(ropes.values())).cos.shape[0]:
-            ropes = {d: RotaryTable.from_rotary_module(self._rotary, config.max_position(), self.shape.dtype, d)
+        if config.attention == "episodic" and config.rope_positions() > next(iter(ropes.values())).cos.shape[0]:
+            ropes = {d: RotaryTable.from_rotary_module(self._rotary, config.rope_positions(), self.shape.dtype, d)
                      for d in ropes}
         memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
         memory.on_fork = self._memories.add

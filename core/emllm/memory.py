@@ -67,6 +67,8 @@ class LayerMemory:
         self.retrieved_ids: tuple[int, ...] = ()
         self.memory_keys = self.sink_keys      # [kv, m, d] sinks + retrieved events, rotated at position 0
         self.memory_values = self.sink_values
+        self.ordered_keys = self.sink_keys     # memory_keys rotated at 0..m-1, for memory_positions="ordered"
+        self._ordered_source = self.sink_keys  # the memory_keys tensor that ordered_keys was rotated from
         self.retrievals = 0
         # Attention scoring with no memory budget keeps a float32 copy of this layer's stored keys (_stored_keys).
         self.keeps_key_copy = (config.retrieval_scoring == "attention" and config.ram_budget_mb is None
@@ -138,6 +140,15 @@ class LayerMemory:
         self.sink_values = self.values[:, :n].clone()
         self.memory_keys, self.memory_values = self.sink_keys, self.sink_values
         self.drop_oldest(n)
+
+    def ordered_memory_keys(self) -> torch.Tensor:
+        """[kv, m, d] the memory part's keys rotated at positions 0..m-1 (memory_positions="ordered"): sinks, then
+        retrieved tokens in input order. Rotated once per change of the retrieved set, not per step."""
+        if self._ordered_source is not self.memory_keys:
+            m = self.memory_keys.shape[1]
+            self.ordered_keys = self.rope.rotate(self.memory_keys, torch.arange(m, device=self.device))
+            self._ordered_source = self.memory_keys
+        return self.ordered_keys
 
     def add_events(self, starts: torch.Tensor, sizes: torch.Tensor, topk: int) -> torch.Tensor:
         """Representatives of events covering window[0, sum(sizes)); returns their KV rotated at position 0.

@@ -64,6 +64,22 @@ def test_memory_changes_logits_once_tokens_are_evicted(smol_fp32, smol_vanilla):
     assert (logits[-64:] - reference[-64:]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("preset", ["S", "F"])
+def test_ordered_positions_with_every_event_retrieved_is_the_vanilla_model(smol_fp32, smol_vanilla, preset):
+    """memory_positions="ordered" lays sinks and retrieved events out in input order right before the window. When
+    the memory budget holds every evicted event, that layout is the whole input at its true positions, so the
+    logits must be the unmodified model's at every position, eviction or not; under "fixed" positions they are not
+    (the test above)."""
+    engine = make_engine(smol_fp32, preset, n_mem=1024, memory_positions="ordered")
+    ids = engine.tokenize(TEXT * 3)[:640]
+    memory = engine.new_memory()
+    memory.track_surprise = True
+    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True)
+                        for i in range(0, len(ids), 64)])
+    assert memory.num_events > 0 and memory.store.num_tokens > 256  # most of the input went through the memory
+    torch.testing.assert_close(logits, _vanilla_logits(smol_vanilla, ids), rtol=0, atol=2e-4)
+
+
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
 

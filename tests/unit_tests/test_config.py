@@ -121,7 +121,7 @@ def test_unknown_field_names_the_typo_and_lists_valid_fields():
 
 @pytest.mark.parametrize("field, value", [
     ("segmentation", "random"), ("refinement", "spectral"), ("attention", "sliding"),
-    ("retrieval_backend", "annoy"), ("retrieval_scoring", "bm25"),
+    ("retrieval_backend", "annoy"), ("retrieval_scoring", "bm25"), ("memory_positions", "sequential"),
 ])
 def test_unknown_choice_names_field_and_choices(field, value):
     with pytest.raises(ConfigError) as info:
@@ -262,6 +262,20 @@ def test_default_config_does_not_fit_a_2k_model_but_fits_8k():
     with pytest.raises(ConfigError, match="n_local"):
         config.validate_for_model(max_positions=2048, num_layers=30)
     config.validate_for_model(max_positions=8192, num_layers=30)
+
+
+def test_ordered_memory_positions_need_room_for_the_memory_part_too():
+    """Under "ordered" the sinks and up to n_mem retrieved tokens sit at their own positions before the window."""
+    fixed, ordered = small(), small(memory_positions="ordered")
+    assert fixed.rope_positions() == fixed.max_position()
+    assert ordered.rope_positions() == ordered.max_position() + 256
+    ordered.validate_for_model(max_positions=ordered.rope_positions(), num_layers=4)
+    fixed.validate_for_model(max_positions=fixed.max_position(), num_layers=4)
+    with pytest.raises(ConfigError) as info:
+        ordered.validate_for_model(max_positions=fixed.max_position(), num_layers=4)
+    message = str(info.value)
+    assert "memory_positions='ordered'" in message and str(ordered.rope_positions()) in message
+    assert "n_mem (now 256)" in message
 
 
 def test_full_attention_skips_the_position_check():

@@ -88,6 +88,7 @@ def valid_configs(draw) -> dict:
         contiguity=contiguity, contiguity_neighbours=draw(st.integers(1, 3)),
         retrieval_backend=draw(st.sampled_from(["auto", "torch", "faiss"])),
         retrieval_scoring=draw(st.sampled_from(["representatives", "attention"])),
+        memory_positions=draw(st.sampled_from(["fixed", "ordered"])),
         faiss_min_events=draw(st.sampled_from([1, 20_000])), decode_retrieve_every=draw(st.integers(1, 4)),
         attention=draw(st.sampled_from(["episodic"] * 5 + ["full"])), page_tokens=draw(st.integers(1, 32)),
         ram_budget_mb=draw(st.sampled_from([None, 0, 0.01])))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from emllm import EMConfig, memory as memory_module
-from emllm.persistence import MANIFEST, _manifest_checksum, load_memory, save_memory
+from emllm.persistence import ADDED_FIELDS, MANIFEST, _manifest_checksum, load_memory, save_memory
 from emllm.retrieval import fill_budget
 
 from .tiny import TINY, tiny_engine, token_ids
@@ -56,37 +56,39 @@ def test_representatives_scoring_does_not_read_every_key(monkeypatch):
     memory.close()
 
 
-def test_a_memory_saved_before_retrieval_scoring_existed_loads_with_the_scoring_it_was_read_with(tmp_path):
+@pytest.mark.parametrize("field, read_with", list(ADDED_FIELDS.items()))
+def test_a_memory_saved_before_a_setting_existed_loads_with_the_value_it_was_read_with(tmp_path, field, read_with):
     engine = tiny_engine("S")
     memory = engine.new_memory()
     engine.read(memory, token_ids(200, seed=3))
     save_memory(memory, tmp_path / "old", engine=engine)
     memory.close()
     manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
-    del manifest["config"]["retrieval_scoring"]  # what a save from before the field looks like
+    del manifest["config"][field]  # what a save from before the field looks like
     manifest["checksum"] = _manifest_checksum(manifest)
     (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
     loaded = load_memory(tmp_path / "old", engine)
-    assert loaded.config.retrieval_scoring == "representatives"
+    assert getattr(loaded.config, field) == read_with == getattr(EMConfig(), field)
     loaded.close()
 
 
-def test_the_scoring_is_part_of_a_saved_memory(tmp_path):
-    engine = tiny_engine("S", retrieval_scoring="attention")
+@pytest.mark.parametrize("field, value", [("retrieval_scoring", "attention"), ("memory_positions", "ordered")])
+def test_a_non_default_method_setting_is_part_of_a_saved_memory(tmp_path, field, value):
+    engine = tiny_engine("S", **{field: value})
     memory = engine.new_memory()
     engine.read(memory, token_ids(200, seed=3))
     save_memory(memory, tmp_path / "m", engine=engine)
     memory.close()
     loaded = load_memory(tmp_path / "m", engine)
-    assert loaded.config.retrieval_scoring == "attention"
+    assert getattr(loaded.config, field) == value
     engine.generate(loaded.token_ids + [4], memory=loaded, max_new_tokens=2)  # the key copy starts from the file
-    for layer in loaded.layers:
+    for layer in loaded.layers if loaded.config.retrieval_scoring == "attention" else ():
         assert layer.key_copy_length == loaded.store.num_tokens > 0
         assert torch.equal(layer.key_copy[:, :layer.key_copy_length],
                            loaded.store.layer_keys(layer.layer_index, layer.device).float())
     loaded.close()
     from emllm.persistence import MemoryFileError
-    with pytest.raises(MemoryFileError, match="retrieval_scoring='attention'"):
+    with pytest.raises(MemoryFileError, match=f"{field}={value!r}"):
         load_memory(tmp_path / "m", engine, config=EMConfig.from_preset("S", **TINY))
 
 
