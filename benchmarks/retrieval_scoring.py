@@ -6,12 +6,15 @@
 For every depth and variant ("representatives": the paper's k-NN over one vector per event; "attention": events
 ranked by the attention the queries give their stored tokens; "attention, keys from pages": the same ranking with a
 RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
-from the store's pages, as before the copy existed), the needle document (Paul Graham essays, a 7-digit number) is
+from the store's pages, as before the copy existed; "ordered" and "attention, ordered": the same rankings with
+memory_positions="ordered", retrieved events at their input order's positions instead of all at one), the needle
+document (Paul Graham essays, a 7-digit number) is
 read, then the question with the start of its answer. The table gives how many of the model's layers hold the
 needle's event in attention when the answer starts ("local window" when the needle was never evicted, so every layer
 sees it), the answer, and the seconds: reading (the question included),
 answering, and decoding per token (a retrieval per token per layer). The haystack is read once per variant and
-forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md}.
+forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md} (other lengths or
+models: retrieval_scoring_needle_<model>_<tokens>.{json,md}).
 
     python benchmarks/retrieval_scoring.py --task multidoc --model qwen --tokens 32768 \
         --variants representatives attention
@@ -171,8 +174,11 @@ def main() -> None:
     args = parser.parse_args()
     fields = {} if args.n_mem is None else {"n_mem": args.n_mem}
     rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants, **fields)
-    name = "retrieval_scoring" if args.task == "needle" else \
-        f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
+    if args.task == "needle":  # the 16K default run keeps its original file name
+        name = "retrieval_scoring" + ("" if args.tokens == 16_384 and not args.model else
+                                      f"_needle_{args.model or 'smollm2'}_{args.tokens}")
+    else:
+        name = f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
     name += "".join(f"_{key.replace('_', '')}{value}" for key, value in fields.items())
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
