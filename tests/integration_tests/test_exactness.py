@@ -64,13 +64,12 @@ def test_memory_changes_logits_once_tokens_are_evicted(smol_fp32, smol_vanilla):
     assert (logits[-64:] - reference[-64:]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("preset", ["S", "F"])
-def test_ordered_positions_with_every_event_retrieved_is_the_vanilla_model(smol_fp32, smol_vanilla, preset):
+def test_ordered_positions_with_every_event_retrieved_is_the_vanilla_model(smol_fp32, smol_vanilla):
     """memory_positions="ordered" lays sinks and retrieved events out in input order right before the window. When
     the memory budget holds every evicted event, that layout is the whole input at its true positions, so the
     logits must be the unmodified model's at every position, eviction or not; under "fixed" positions they are not
-    (the test above)."""
-    engine = make_engine(smol_fp32, preset, n_mem=1024, memory_positions="ordered")
+    (the test above). S here; SM and F on the tiny model (tests/unit_tests/test_memory_positions.py)."""
+    engine = make_engine(smol_fp32, "S", n_mem=1024, memory_positions="ordered")
     ids = engine.tokenize(TEXT * 3)[:640]
     memory = engine.new_memory()
     memory.track_surprise = True
