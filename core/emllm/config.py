@@ -167,13 +167,13 @@ class EMConfig:
             return
         needed = self.rope_positions()
         if needed > max_positions:
-            layout = "n_init + n_local + 2*max_block_size + chunk_size"
+            layout, fields = "n_init + n_local + 2*max_block_size + chunk_size", f"n_local (now {self.n_local})"
             if self.memory_positions == "ordered":
                 layout = "n_init + n_mem + n_local + 2*max_block_size + chunk_size (memory_positions='ordered')"
+                fields += f", n_mem (now {self.n_mem})"
             raise ConfigError(
                 f"{layout} = {needed} relative positions, but the model was trained on {max_positions}. Lower "
-                f"n_local (now {self.n_local}), n_mem (now {self.n_mem}) or chunk_size (now {self.chunk_size}) so "
-                "the context fits the model's trained length.")
+                f"{fields} or chunk_size (now {self.chunk_size}) so the context fits the model's trained length.")
 
     def max_position(self) -> int:
         """The largest relative position the local window can reach (see EpisodicMemory.evict for why)."""

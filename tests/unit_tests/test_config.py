@@ -255,6 +255,7 @@ def test_layout_one_past_the_model_positions_is_refused():
     assert str(config.max_position() - 1) in message
     assert "n_local" in message and "chunk_size" in message
     assert "now 256" in message and "now 64" in message  # the current values, to lower
+    assert "n_mem" not in message  # under fixed positions the memory budget takes no positions
 
 
 def test_default_config_does_not_fit_a_2k_model_but_fits_8k():
