@@ -62,13 +62,16 @@ def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         parts.append(_grouped(_attend(_group(q_local, kv_heads), keys[:, :, :visible], values[:, :, :visible],
                                       scaling, causal=False), heads, q))
     if memory.has_memory_part:
-        q_memory = _group(rope.rotate_at(query, memory.config.n_local), kv_heads)      # [1, kv, g*q, d]
-        if memory.retrieve_now and layer.index.size:
-            layer.retrieve(q_memory[0], memory, scaling)  # ranking is the same under either memory position rule
-        memory_keys = layer.memory_keys
-        if memory.config.memory_positions == "ordered":
-            m = memory_keys.shape[1]
-            rope.ensure(m + window)
+        retrieving = memory.retrieve_now and layer.index.size
+        fixed = memory.config.memory_positions == "fixed"
+        # Retrieval ranks with the query at the fixed memory distance under either position rule.
+        q_fixed = _group(rope.rotate_at(query, memory.config.n_local), kv_heads) if fixed or retrieving else None
+        if retrieving:
+            layer.retrieve(q_fixed[0], memory, scaling)                                 # q_fixed [1, kv, g*q, d]
+        if fixed:
+            q_memory, memory_keys = q_fixed, layer.memory_keys
+        else:  # ordered: memory keys at 0..m-1, the window's queries right after them
+            m = layer.memory_keys.shape[1]
             q_memory = _group(rope.rotate(query, torch.arange(m + window - q, m + window, device=query.device)),
                               kv_heads)
             memory_keys = layer.ordered_memory_keys()

@@ -12,12 +12,15 @@ from typing import get_args
 
 from .config import PRESETS, MemoryPositions, RetrievalScoring
 
+ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "memory_positions")
+"""EMConfig fields the command line can override (flags of the same name); one list for demo, chat and bench."""
+
 
 def _engine(args: argparse.Namespace):
     from .engine import EMEngine
 
     overrides = {}
-    for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "memory_positions"):
+    for name in ENGINE_OVERRIDES:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -107,8 +110,7 @@ def bench(args: argparse.Namespace) -> int:
               f"({error}). Install it with its extras: pip install 'emllm-integrations[rag,langchain,llama-index,"
               "notebooks]'", file=sys.stderr)
         return 2
-    fields = {name: getattr(args, name) for name in ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "offload_dir",
-                                                     "retrieval_scoring", "memory_positions")
+    fields = {name: getattr(args, name) for name in (*ENGINE_OVERRIDES, "offload_dir")
               if getattr(args, name, None) is not None}
     record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, args.dtype,
                                            seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields))
