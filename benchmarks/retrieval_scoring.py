@@ -64,8 +64,7 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
                 stats = memory.stats()
                 # in the local window (or the sinks) every layer attends to the needle without retrieving it
                 in_window = first >= stats["tokens_sinks"] + stats["tokens_evicted"] or last <= stats["tokens_sinks"]
-                layers = sum(event.layers for event in memory.retrieved_events()
-                             if event.start < last and event.end > first)
+                layers = memory.layers_holding(first, last)
                 num_layers = len(memory.layers)
                 started = time.perf_counter()
                 answer = engine.generate(question.ids, memory=memory, max_new_tokens=10)

@@ -385,6 +385,14 @@ class EpisodicMemory:
         return [RetrievedEvent(int(starts[e]), int(starts[e] + self.event_sizes[e]), n)
                 for e, n in sorted(counts.items())]
 
+    def layers_holding(self, start: int, end: int) -> int:
+        """How many layers hold, in their last retrieval, an event overlapping absolute tokens [start, end). A fact
+        sentence can straddle an event boundary; a layer holding both halves counts once here, where summing
+        ``retrieved_events()``'s per-event layer counts would count it twice."""
+        starts = self.event_boundaries()
+        overlapping = set(torch.nonzero((starts < end) & (starts + self.event_sizes > start)).flatten().tolist())
+        return sum(1 for layer in self.layers if overlapping.intersection(layer.retrieved_ids))
+
     # ------------------------------------------------------------------ inspection
     def stats(self) -> dict:
         sizes = self.event_sizes.float()

@@ -331,3 +331,25 @@ def test_inspection_lists_every_event_start_including_the_one_at_the_window():
     assert starts == sorted(set(starts))  # strictly increasing, no duplicate
     sizes = torch.diff(torch.tensor(starts + [len(inspection.tokens)]))
     assert int(sizes[:-1].max()) <= engine.config.max_block_size  # closed events keep the size limit
+
+
+def test_layers_holding_counts_each_layer_once_for_a_span_across_events():
+    """The per-layer diagnostics count the layers attending to a fact sentence; when the sentence straddles two
+    events that one layer both retrieved, that layer is one layer, not two (the benchmark once reported 25 of 24)."""
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    memory = engine.new_memory()
+    engine.read(memory, token_ids(300, seed=3))
+    assert memory.num_events >= 4
+    starts = memory.event_boundaries().tolist()
+    ends = (memory.event_boundaries() + memory.event_sizes).tolist()
+    first_layer, second_layer = memory.layers
+    first_layer.retrieved_ids, second_layer.retrieved_ids = (1, 2), (2,)  # as a retrieval leaves them
+    across = (ends[1] - 1, starts[2] + 1)  # the last token of event 1 and the first of event 2
+    per_event = sum(e.layers for e in memory.retrieved_events() if e.start < across[1] and e.end > across[0])
+    assert per_event == 3 and memory.layers_holding(*across) == 2
+    assert memory.layers_holding(starts[1], ends[1]) == 1
+    assert memory.layers_holding(starts[2], ends[2]) == 2
+    assert memory.layers_holding(starts[3], ends[3]) == 0
+    assert memory.layers_holding(starts[1], ends[3]) == 2
