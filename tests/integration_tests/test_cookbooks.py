@@ -106,7 +106,8 @@ def test_memory_cookbook_draws_surprise_events_and_per_layer_retrieval(monkeypat
     notebook, values = run_notebook(
         "03_inside_the_memory.ipynb", monkeypatch,
         "{'events': len(starts), 'tokens': len(surprise), 'sizes': sizes.tolist(), 'held': held.sum(axis=1).tolist(),"
-        " 'needle_events': needle_events, 'needle_layers': needle_layers, 'min': config.min_block_size,"
+        " 'needle_events': needle_events, 'needle_layers': needle_layers,"
+        " 'held_needle': int(held[:, needle_events].any(axis=1).sum()), 'min': config.min_block_size,"
         " 'max': config.max_block_size, 'answer': result.text, 'expected': doc.answer}",
         tokens=TEST_SIZES["03"])
     assert len(outputs(notebook, "image/png")) == 3  # surprise curve, event sizes, per-layer retrieval
@@ -115,4 +116,6 @@ def test_memory_cookbook_draws_surprise_events_and_per_layer_retrieval(monkeypat
     assert all(values["min"] <= s <= values["max"] for s in values["sizes"])
     assert len(values["held"]) == 30 and all(n > 0 for n in values["held"])  # every layer retrieved something
     assert values["needle_events"], "the needle was not evicted into an event: the document is too short"
+    # The engine's per-layer count is the plotted matrix's: layers holding any needle event, each counted once.
+    assert values["needle_layers"] == values["held_needle"]
 
