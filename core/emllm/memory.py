@@ -385,12 +385,17 @@ class EpisodicMemory:
         return [RetrievedEvent(int(starts[e]), int(starts[e] + self.event_sizes[e]), n)
                 for e, n in sorted(counts.items())]
 
+    def events_overlapping(self, start: int, end: int) -> list[int]:
+        """Indices of the stored events that share a token with absolute tokens [start, end): where a fact sentence
+        ended up, which may be more than one event when it straddles a boundary."""
+        starts = self.event_boundaries()
+        return torch.nonzero((starts < end) & (starts + self.event_sizes > start)).flatten().tolist()
+
     def layers_holding(self, start: int, end: int) -> int:
         """How many layers hold, in their last retrieval, an event overlapping absolute tokens [start, end). A fact
         sentence can straddle an event boundary; a layer holding both halves counts once here, where summing
         ``retrieved_events()``'s per-event layer counts would count it twice."""
-        starts = self.event_boundaries()
-        overlapping = set(torch.nonzero((starts < end) & (starts + self.event_sizes > start)).flatten().tolist())
+        overlapping = set(self.events_overlapping(start, end))
         return sum(1 for layer in self.layers if overlapping.intersection(layer.retrieved_ids))
 
     # ------------------------------------------------------------------ inspection

@@ -353,3 +353,8 @@ def test_layers_holding_counts_each_layer_once_for_a_span_across_events():
     assert memory.layers_holding(starts[2], ends[2]) == 2
     assert memory.layers_holding(starts[3], ends[3]) == 0
     assert memory.layers_holding(starts[1], ends[3]) == 2
+    # The events behind those counts: a span inside one event, one straddling a boundary, and whole events.
+    assert memory.events_overlapping(starts[1], starts[1] + 1) == [1]
+    assert memory.events_overlapping(*across) == [1, 2]
+    assert memory.events_overlapping(starts[1], ends[3]) == [1, 2, 3]
+    assert memory.events_overlapping(ends[-1], ends[-1] + 5) == []  # past the stored tokens: nothing
