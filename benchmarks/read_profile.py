@@ -22,7 +22,8 @@ from pathlib import Path
 from emllm_integrations.markdown import table as markdown_table
 
 # (part, pattern on the whole ';'-joined stack): the first match wins, so specific parts come first. The line
-# numbers are the three _attend calls of emllm/attention.py's episodic_attention.
+# numbers are the three _attend calls of emllm/attention.py's episodic_attention as of the recorded profiles
+# (commit 856d017 onwards): a profile of code where they moved needs these updated.
 PARTS = [
     ("retrieval (rank, gather)", r"LayerMemory\.retrieve"),
     ("eviction, segmentation", r"EpisodicMemory\.(evict|observe)"),
