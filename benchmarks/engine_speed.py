@@ -80,13 +80,13 @@ def goals(rows: list[dict]) -> str:
 
     out.append(f"- S prefill throughput at {hi:,} / at {lo:,}: {ratio(('S', hi), ('S', lo), 'prefill_tok_s'):.2f}x "
                "(goal >= 0.8)")
-    for length in lengths:  # only the comparisons this run has both presets for
-        pairs = [(f"time SM / S = {ratio(('S', length), ('SM', length), 'prefill_tok_s'):.2f}x (goal <= 1.15)",
-                  ("SM", length) in by and ("S", length) in by),
-                 (f"S / F = {ratio(('F', length), ('S', length), 'prefill_tok_s'):.2f}x (goal <= 1.05)",
-                  ("F", length) in by and ("S", length) in by)]
-        if any(present for _, present in pairs):
-            out.append(f"- at {length:,}: " + ", ".join(text for text, present in pairs if present))
+    # (label, slower preset, faster preset, goal): time ratios, listed only where this run has both presets.
+    comparisons = (("time SM / S", "SM", "S", 1.15), ("S / F", "S", "F", 1.05))
+    for length in lengths:
+        texts = [f"{label} = {ratio((fast, length), (slow, length), 'prefill_tok_s'):.2f}x (goal <= {goal})"
+                 for label, slow, fast, goal in comparisons if (slow, length) in by and (fast, length) in by]
+        if texts:
+            out.append(f"- at {length:,}: " + ", ".join(texts))
     out.append(f"- S decode ms/token at {hi:,} / at {lo:,}: "
                f"{ratio(('S', hi), ('S', lo), 'decode_ms_token'):.2f}x (goal <= 1.5)")
     return "\n".join(out)
