@@ -49,7 +49,7 @@ VARIANTS = {  # name -> EMConfig fields
 
 
 def run(tokens: int, depths: list[float], preset: str, task: str = "needle", model: str | None = None,
-        variants: list[str] | None = None, **engine_fields) -> list[dict]:
+        variants: list[str] | None = None, pin_answer: bool = False, **engine_fields) -> list[dict]:
     from emllm import EMEngine
 
     engine = EMEngine.from_pretrained(model, preset=preset, **engine_fields)
@@ -59,7 +59,7 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
     with tqdm(total=len(chosen) * len(probes.questions), desc="retrieval scoring", unit="question") as bar:
         for variant, fields in chosen.items():
             config = engine.config.replace(**fields)
-            for memory, read_seconds, question in probes.memories(engine, config):
+            for memory, read_seconds, question in probes.memories(engine, config, pin_answer):
                 first, last = question.span
                 stats = memory.stats()
                 # in the local window (or the sinks) every layer attends to the needle without retrieving it
@@ -70,7 +70,8 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
                 answer = engine.generate(question.ids, memory=memory, max_new_tokens=10)
                 answer_seconds = time.perf_counter() - started
                 memory.close()
-                rows.append({"task": task, "variant": variant, "tokens": len(question.ids), "depth": question.depth,
+                rows.append({"task": task, "variant": variant + (", answer pinned" if pin_answer else ""),
+                             "tokens": len(question.ids), "depth": question.depth,
                              "expected": question.answer, "needle_layers": layers, "num_layers": num_layers,
                              "needle_in_window": in_window,
                              "output": answer.text.strip(), "correct": question.answer in answer.text,
@@ -88,6 +89,7 @@ class _Question:
     answer: str
     ids: list[int]              # the whole prompt: context, question, answer lead-in
     span: tuple[int, int]       # the answering sentence's tokens (a boundary token may straddle: spans overlap)
+    context_tokens: int         # ids[:context_tokens] is the context, the rest the question and answer lead-in
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,19 @@ class _Probes:
     questions: list[_Question]
     shared_context: list[int] | None  # multidoc: one context for every question, read once, asked from forks
 
-    def memories(self, engine, config) -> Iterator[tuple[object, float, _Question]]:
-        """A memory that has read each question's whole prompt, and the seconds reading it alone costs."""
+    def memories(self, engine, config, pin_answer: bool = False) -> Iterator[tuple[object, float, _Question]]:
+        """A memory that has read each question's whole prompt, and the seconds reading it alone costs. With
+        ``pin_answer`` the context is read first, the answering sentence pinned (EpisodicMemory.pin: every layer
+        holds it at every later retrieval), then the question: what the model does when retrieval cannot miss."""
         if self.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
-            reads = engine.read_each([q.ids for q in self.questions], config=config)
+            reads = engine.read_each([q.ids[:q.context_tokens] if pin_answer else q.ids for q in self.questions],
+                                     config=config)
             for (memory, seconds), question in zip(reads, self.questions):
+                if pin_answer:
+                    memory.pin(*question.span)
+                    started = time.perf_counter()
+                    engine.read(memory, question.ids[question.context_tokens:])
+                    seconds += time.perf_counter() - started
                 yield memory, seconds, question
             return
         context = engine.new_memory(config)
@@ -109,6 +119,8 @@ class _Probes:
         try:
             for question in self.questions:
                 memory = context.fork()
+                if pin_answer:
+                    memory.pin(*question.span)
                 started = time.perf_counter()
                 engine.read(memory, question.ids[len(self.shared_context):])  # what generate would read first
                 yield memory, context_seconds + time.perf_counter() - started, question
@@ -125,10 +137,14 @@ def _needle_probes(engine, tokens: int, depths: list[float]) -> _Probes:
     from emllm_integrations.prompts import probe_suffix
 
     docs = [needle_document(tokens, depth, engine.count_tokens, seed=7) for depth in depths]
-    return _Probes([_Question(doc.depth, doc.answer, engine.tokenize(doc.context + probe_suffix(doc.question,
-                                                                                              doc.answer_lead)),
-                              _token_span(engine, doc.context, doc.needle_offset, doc.needle_offset + len(doc.needle)))
-                    for doc in docs], None)
+    questions = []
+    for doc in docs:
+        context = engine.tokenize(doc.context)
+        questions.append(_Question(doc.depth, doc.answer,
+                                   context + engine.tokenize(probe_suffix(doc.question, doc.answer_lead)),
+                                   _token_span(engine, doc.context, doc.needle_offset,
+                                               doc.needle_offset + len(doc.needle)), len(context)))
+    return _Probes(questions, None)
 
 
 def _multidoc_probes(engine, tokens: int, depths: list[float]) -> _Probes:
@@ -144,7 +160,7 @@ def _multidoc_probes(engine, tokens: int, depths: list[float]) -> _Probes:
         fact = f"{lead} {answer}."  # the fact sentence, stated in exactly one document (tasks.MULTIDOC_FACT)
         where = context.index(fact)
         questions.append(_Question(depth, answer, context_ids + engine.tokenize(probe_suffix(question, lead)),
-                                   _token_span(engine, context, where, where + len(fact))))
+                                   _token_span(engine, context, where, where + len(fact)), len(context_ids)))
     return _Probes(questions, context_ids)
 
 
@@ -170,15 +186,21 @@ def main() -> None:
     parser.add_argument("--preset", default="S")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--n-mem", dest="n_mem", type=int, help="retrieved-event token budget (default: EMConfig's)")
+    parser.add_argument("--n-local", dest="n_local", type=int, help="local window tokens (default: EMConfig's)")
+    parser.add_argument("--pin-answer", action="store_true",
+                        help="pin the answering sentence after the context is read (EpisodicMemory.pin): every layer "
+                             "holds it, so a miss is the model's reading, not retrieval's")
     args = parser.parse_args()
-    fields = {} if args.n_mem is None else {"n_mem": args.n_mem}
-    rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants, **fields)
+    fields = {key: value for key, value in (("n_mem", args.n_mem), ("n_local", args.n_local)) if value is not None}
+    rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants, args.pin_answer,
+               **fields)
     if args.task == "needle":  # the 16K default run keeps its original file name
         name = "retrieval_scoring" + ("" if args.tokens == 16_384 and not args.model else
                                       f"_needle_{args.model or 'smollm2'}_{args.tokens}")
     else:
         name = f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
     name += "".join(f"_{key.replace('_', '')}{value}" for key, value in fields.items())
+    name += "_pinned" if args.pin_answer else ""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / f"{name}.md").write_text(table(rows) + "\n")

@@ -171,7 +171,8 @@ class LayerMemory:
             best = self._rank_by_attention(queries, memory, scaling)[:candidates]
         else:
             _, best = self.index.search(queries.float().mean(dim=1).reshape(-1), candidates)  # [kv * d] mean query
-        similar = fill_budget(best.to("cpu"), sizes, config.similarity_tokens).tolist()
+        similar = fill_budget(_pinned_first(memory.pinned_events(), best.to("cpu")), sizes,
+                              config.similarity_tokens).tolist()
         neighbours = self.contiguity.update(similar, sizes, self.index.size)
         chosen = tuple(sorted(set(similar).union(neighbours)))
         self.retrievals += 1
@@ -261,6 +262,7 @@ class EpisodicMemory:
         # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
         # tokens whose predicting logits are at hand (the first of each forward) get one.
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
+        self.pinned_spans: tuple[tuple[int, int], ...] = ()     # absolute token spans every layer retrieves
         self.on_fork = None  # set by the engine so forks are closed with it
         self.closed = False
         self.closed_reason = ""
@@ -391,6 +393,31 @@ class EpisodicMemory:
         starts = self.event_boundaries()
         return torch.nonzero((starts < end) & (starts + self.event_sizes > start)).flatten().tolist()
 
+    def pin(self, start: int, end: int) -> None:
+        """Keep the tokens [start, end) (absolute positions, already read) in every layer's attention from now on:
+        once evicted, the events holding them are put ahead of each retrieval's ranking, inside the similarity
+        budget. For what an app knows matters whatever the question (instructions longer than the sinks, the
+        passage a user pointed at), and to measure what a model does when retrieval cannot miss a fact."""
+        if not (0 <= start < end <= self.total_tokens):
+            raise ValueError(f"pin({start}, {end}): a span of tokens already read is needed, 0 <= start < end <= "
+                             f"{self.total_tokens} (tokens read so far); read the text first, then pin its tokens.")
+        spans = self.pinned_spans + ((int(start), int(end)),)
+        # Events overhang a span by less than max_block_size at either end: this bounds what the pins can hold.
+        worst = sum(e - s + 2 * (self.config.max_block_size - 1) for s, e in spans)
+        if worst > self.config.similarity_tokens:
+            raise ValueError(f"Pinned spans may hold up to {worst} tokens of events, more than the retrieval budget "
+                             f"({self.config.similarity_tokens} tokens: n_mem minus the contiguity share); pin "
+                             "fewer or shorter spans, or raise n_mem.")
+        self.pinned_spans = spans
+
+    def unpin(self) -> None:
+        """Drop every pin: retrieval alone decides again."""
+        self.pinned_spans = ()
+
+    def pinned_events(self) -> list[int]:
+        """Stored events overlapping a pinned span, in input order (pinned tokens still local need no event)."""
+        return sorted({e for span in self.pinned_spans for e in self.events_overlapping(*span)})
+
     def layers_holding(self, start: int, end: int) -> int:
         """How many layers hold, in their last retrieval, an event overlapping absolute tokens [start, end). A fact
         sentence can straddle an event boundary; a layer holding both halves counts once here, where summing
@@ -425,6 +452,14 @@ class EpisodicMemory:
         self.layers = []
         self.closed = True
         self.closed_reason = reason
+
+
+def _pinned_first(pinned: list[int], ranked: torch.Tensor) -> torch.Tensor:
+    """Event ids best first with the pinned ones ahead of the ranking (each once)."""
+    if not pinned:
+        return ranked
+    pinned_ids = torch.tensor(pinned, dtype=torch.long)
+    return torch.cat([pinned_ids, ranked[~torch.isin(ranked, pinned_ids)]])
 
 
 def _because(reason: str) -> str:

@@ -270,7 +270,7 @@ def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages:
             "evicted_tokens": memory.store.num_tokens, "sink_tokens": int(layer.sink_keys.shape[1]),
             "window_tokens": layer.length, "rotated_tokens": files[STATE_FILE]["tensors"]["window_rotated"]["shape"][2],
             "local_start": memory.local_start, "sinks_split": memory.sinks_split,
-            "track_surprise": memory.track_surprise,
+            "track_surprise": memory.track_surprise, "pinned_spans": [list(span) for span in memory.pinned_spans],
             "contiguity_entries": sum(len(l.contiguity._queue) for l in memory.layers),
             "retrieved_entries": sum(len(l.retrieved_ids) for l in memory.layers),
             "last_logits": None if logits is None else _spec(logits.dtype, list(logits.shape)),
@@ -609,6 +609,8 @@ def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMCon
     if state["contiguity_ids"].numel() and E and not torch.equal(
             state["contiguity_sizes"], sizes[state["contiguity_ids"].clamp(0, E - 1)]):
         problems.append("contiguity sizes disagree with the events")
+    if any(not (0 <= start < end <= info["total_tokens"]) for start, end in info.get("pinned_spans", [])):
+        problems.append("a pinned span lies outside the tokens read")
     if (info["last_logits"] is None) != (info["total_tokens"] == 0):
         problems.append("last logits present without tokens read (or missing after reading)")
     if problems:
@@ -623,6 +625,8 @@ def _restore_state(memory: EpisodicMemory, state: dict[str, torch.Tensor], info:
     memory.event_starts, memory.event_sizes = state["event_starts"], state["event_sizes"]
     memory.sinks_split, memory.local_start = bool(info["sinks_split"]), int(info["local_start"])
     memory.track_surprise = bool(info["track_surprise"])
+    for start, end in info.get("pinned_spans", []):  # files from before pins have none; pin() checks the budget
+        memory.pin(int(start), int(end))
     if "last_logits" in state:
         head = engine.model.get_output_embeddings()
         device = head.weight.device if head is not None else engine.input_device

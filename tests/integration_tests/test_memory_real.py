@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from emllm.tasks import passkey_document
+from emllm.tasks import needle_document, passkey_document
 
 from emllm import EMConfig, EMEngine
 
@@ -78,6 +78,27 @@ def test_the_needle_event_is_retrieved(in_ram, doc):
     layers = sum(event in layer.retrieved_ids for layer in memory.layers)
     assert layers >= len(memory.layers) // 2
 
+
+
+def test_a_pinned_needle_is_held_by_every_layer_and_answered(smol_fast):
+    """Pinning the needle sentence of an essay haystack after reading it puts its events in all 30 layers for the
+    question, and the model copies the number: the diagnostic behind benchmarks/retrieval_scoring.py --pin-answer."""
+    from emllm_integrations.prompts import probe_suffix
+
+    engine = EMEngine(*smol_fast, EMConfig.from_preset("S", n_local=512))
+    doc = needle_document(TOKENS, 0.2, engine.count_tokens, seed=7)
+    context = engine.tokenize(doc.context)
+    span = (engine.count_tokens(doc.context[:doc.needle_offset]),
+            engine.count_tokens(doc.context[:doc.needle_offset + len(doc.needle)]))
+    memory = engine.new_memory()
+    engine.read(memory, context)
+    memory.pin(*span)
+    question = context + engine.tokenize(probe_suffix(doc.question, doc.answer_lead))
+    result = engine.generate(question, memory=memory, max_new_tokens=12)
+    assert memory.local_start > span[1]  # evicted: only retrieval (here, the pin) can show it
+    assert memory.layers_holding(*span) == len(memory.layers) == engine.shape.num_layers
+    assert doc.answer in result.text
+    memory.close()
 
 def test_stats_describe_the_memory(in_ram):
     engine, memory, _ = in_ram
