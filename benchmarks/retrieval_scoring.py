@@ -23,6 +23,12 @@ does the same for the bench's multi-document QA (`emllm bench --tasks multidoc`:
 prompts): the document set is read once per variant, then each question from a fork of that memory, as the bench
 asks; "layers holding the needle" counts the layers holding the event of the fact sentence that answers the
 question. Writes benchmarks/results/retrieval_scoring_multidoc_<model>_<tokens>.{json,md}.
+
+    python benchmarks/retrieval_scoring.py --tokens 32768 --pin-answer --variants representatives ordered
+
+reads each context, pins the answering sentence (EpisodicMemory.pin: every layer holds it at every later
+retrieval), then reads the question: a miss is then the model's reading, not retrieval's. ``--n-local`` and
+``--n-mem`` change the layout; each adds to the output file's name (``_nlocal512``, ``_pinned``).
 """
 
 from __future__ import annotations
