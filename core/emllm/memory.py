@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -398,10 +399,15 @@ class EpisodicMemory:
         once evicted, the events holding them are put ahead of each retrieval's ranking, inside the similarity
         budget. For what an app knows matters whatever the question (instructions longer than the sinks, the
         passage a user pointed at), and to measure what a model does when retrieval cannot miss a fact."""
+        try:
+            start, end = operator.index(start), operator.index(end)
+        except TypeError:
+            raise TypeError(f"pin(start, end) takes integer token positions, got {start!r}, {end!r}; positions come "
+                            "from counting tokens (EMEngine.count_tokens or tokenize_with_offsets).") from None
         if not (0 <= start < end <= self.total_tokens):
             raise ValueError(f"pin({start}, {end}): a span of tokens already read is needed, 0 <= start < end <= "
                              f"{self.total_tokens} (tokens read so far); read the text first, then pin its tokens.")
-        spans = self.pinned_spans + ((int(start), int(end)),)
+        spans = self.pinned_spans + ((start, end),)
         # Events overhang a span by less than max_block_size at either end: this bounds what the pins can hold.
         worst = sum(e - s + 2 * (self.config.max_block_size - 1) for s, e in spans)
         if worst > self.config.similarity_tokens:

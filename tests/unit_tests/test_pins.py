@@ -75,6 +75,8 @@ def test_bad_spans_are_refused_with_the_fix():
         memory.pin(90, 101)
     with pytest.raises(ValueError, match="0 <= start < end"):
         memory.pin(30, 30)
+    with pytest.raises(TypeError, match="integer token positions"):
+        memory.pin(10.0, 20)
     budget = engine.config.similarity_tokens
     with pytest.raises(ValueError, match=f"more than the retrieval budget \\({budget} tokens.*raise n_mem"):
         memory.pin(10, 10 + budget)
