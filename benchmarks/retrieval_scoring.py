@@ -7,9 +7,11 @@ For every depth and variant ("representatives": the paper's k-NN over one vector
 ranked by the attention the queries give their stored tokens; "attention, keys from pages": the same ranking with a
 RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
 from the store's pages, as before the copy existed; "ordered" and "attention, ordered": the same rankings with
-memory_positions="ordered", retrieved events at their input order's positions instead of all at one), the needle
-document (Paul Graham essays, a 7-digit number) is
-read, then the question with the start of its answer. The table gives how many of the model's layers hold the
+memory_positions="ordered", retrieved events at their input order's positions instead of all at one; "pooled" and
+"attention, pooled": retrieval_pooling="cumulative", each layer ranking by its and the earlier layers' scores), the
+needle document (Paul Graham essays, a 7-digit number) is read, then the question with the start of its answer in a
+forward of its own, as `emllm bench` asks (before 2026-11-25 the question was read in one call with the context, so
+its retrieval was the last chunk's: context tail and question together). The table gives how many of the model's layers hold the
 needle's event in attention when the answer starts ("local window" when the needle was never evicted, so every layer
 sees it), the answer, and the seconds: reading (the question included),
 answering, and decoding per token (a retrieval per token per layer). The haystack is read once per variant and
@@ -51,6 +53,8 @@ VARIANTS = {  # name -> EMConfig fields
     "attention, keys from pages": {"retrieval_scoring": "attention", "ram_budget_mb": 1e6},
     "ordered": {"retrieval_scoring": "representatives", "memory_positions": "ordered"},
     "attention, ordered": {"retrieval_scoring": "attention", "memory_positions": "ordered"},
+    "pooled": {"retrieval_scoring": "representatives", "retrieval_pooling": "cumulative"},
+    "attention, pooled": {"retrieval_scoring": "attention", "retrieval_pooling": "cumulative"},
 }
 
 
@@ -104,19 +108,19 @@ class _Probes:
     shared_context: list[int] | None  # multidoc: one context for every question, read once, asked from forks
 
     def memories(self, engine, config, pin_answer: bool = False) -> Iterator[tuple[object, float, _Question]]:
-        """A memory that has read each question's whole prompt, and the seconds reading it alone costs. With
-        ``pin_answer`` the context is read first, the answering sentence pinned (EpisodicMemory.pin: every layer
-        holds it at every later retrieval), then the question: what the model does when retrieval cannot miss."""
+        """A memory that has read each question's whole prompt, and the seconds reading it alone costs. The context
+        is read first, then the question in a forward of its own, as `emllm bench` and the adapters' follow-up
+        questions do (the question's retrieval is then its own, not a chunk's of context and question). With
+        ``pin_answer`` the answering sentence is pinned between the two (EpisodicMemory.pin: every layer holds it
+        at every later retrieval): what the model does when retrieval cannot miss."""
         if self.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
-            reads = engine.read_each([q.ids[:q.context_tokens] if pin_answer else q.ids for q in self.questions],
-                                     config=config)
+            reads = engine.read_each([q.ids[:q.context_tokens] for q in self.questions], config=config)
             for (memory, seconds), question in zip(reads, self.questions):
                 if pin_answer:
                     memory.pin(*question.span)
-                    started = time.perf_counter()
-                    engine.read(memory, question.ids[question.context_tokens:])
-                    seconds += time.perf_counter() - started
-                yield memory, seconds, question
+                started = time.perf_counter()
+                engine.read(memory, question.ids[question.context_tokens:])
+                yield memory, seconds + time.perf_counter() - started, question
             return
         context = engine.new_memory(config)
         started = time.perf_counter()

@@ -10,9 +10,10 @@ import sys
 import time
 from typing import get_args
 
-from .config import PRESETS, MemoryPositions, RetrievalScoring
+from .config import PRESETS, MemoryPositions, RetrievalPooling, RetrievalScoring
 
-ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "memory_positions")
+ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "retrieval_pooling",
+                    "memory_positions")
 """EMConfig fields the command line can override (flags of the same name); one list for demo, chat and bench."""
 
 
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float, help="RAM for evicted KV; rest on disk")
         p.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=get_args(RetrievalScoring),
                        help="how events are ranked for retrieval (default representatives; see EMConfig)")
+        p.add_argument("--retrieval-pooling", dest="retrieval_pooling", choices=get_args(RetrievalPooling),
+                       help="whose scores rank events for a layer (default none: its own, as in the paper)")
         p.add_argument("--memory-positions", dest="memory_positions", choices=get_args(MemoryPositions),
                        help="where retrieved events sit for RoPE (default fixed, as in the paper; see EMConfig)")
 
@@ -217,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--chunk-size", dest="chunk_size", type=int, help="EM-LLM: tokens per forward while reading")
     p_bench.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=get_args(RetrievalScoring),
                          help="EM-LLM: how events are ranked for retrieval (default representatives; see EMConfig)")
+    p_bench.add_argument("--retrieval-pooling", dest="retrieval_pooling", choices=get_args(RetrievalPooling),
+                         help="EM-LLM: whose scores rank events for a layer (default none: its own, as in the paper; "
+                              "see EMConfig)")
     p_bench.add_argument("--memory-positions", dest="memory_positions", choices=get_args(MemoryPositions),
                          help="EM-LLM: where retrieved events sit for RoPE (default fixed, as in the paper; see "
                               "EMConfig)")

@@ -22,6 +22,7 @@ Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
 RetrievalBackend = Literal["auto", "torch", "faiss"]
 RetrievalScoring = Literal["representatives", "attention"]
+RetrievalPooling = Literal["none", "cumulative"]
 MemoryPositions = Literal["fixed", "ordered"]
 
 
@@ -70,6 +71,14 @@ class EMConfig:
     a retrieval reads one tensor instead of every page; with a budget, pages are read each time. Measured on
     SmolLM2-135M, needle at 16K tokens: the needle's event ranks 24-878 of 1,067 under "representatives" (answer
     wrong), first in 6 of 30 layers under "attention" (answer right); see benchmarks/README.md."""
+    retrieval_pooling: RetrievalPooling = "none"
+    """Whose scores rank events for a layer. "none", as in the paper: each layer ranks by its own queries.
+    "cumulative": each layer ranks by the sum of its own and every earlier layer's scores for the same input
+    (each standardised to mean 0, deviation 1 first, so no layer's scale dominates). A fact a question points at
+    is often found first by a few middle layers (attention scoring ranks the needle first in 4 of 30 layers of
+    SmolLM2 at 32K, and 100-900th in most); pooled, their evidence reaches every later layer instead of staying
+    in those few. Costs nothing more than "none" with attention scoring; with the representatives every event
+    is scored (no faiss top-k). See benchmarks/README.md for what it changes."""
     retrieval_backend: RetrievalBackend = "auto"
     faiss_min_events: int = 20_000
     """With backend "auto", stores of at least this many events per layer are searched with faiss."""
@@ -122,6 +131,7 @@ class EMConfig:
         _check_choice("attention", self.attention, get_args(AttentionMode))
         _check_choice("retrieval_backend", self.retrieval_backend, get_args(RetrievalBackend))
         _check_choice("retrieval_scoring", self.retrieval_scoring, get_args(RetrievalScoring))
+        _check_choice("retrieval_pooling", self.retrieval_pooling, get_args(RetrievalPooling))
         _check_choice("memory_positions", self.memory_positions, get_args(MemoryPositions))
         if self.min_block_size > self.max_block_size:
             raise ConfigError(

@@ -306,7 +306,7 @@ class EMEngine:
             memory.store.check_disk_budget(memory.store.pages_beyond_memory(sealed))
 
     def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool) -> torch.Tensor:
-        memory.retrieve_now = retrieve
+        memory.begin_forward(retrieve)
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
         keep = 0 if memory.track_surprise else 1

@@ -168,10 +168,7 @@ class LayerMemory:
         config = self.config
         candidates = min(self.index.size, config.similarity_tokens // config.min_block_size + 1)
         sizes = memory.event_sizes
-        if config.retrieval_scoring == "attention":
-            best = self._rank_by_attention(queries, memory, scaling)[:candidates]
-        else:
-            _, best = self.index.search(queries.float().mean(dim=1).reshape(-1), candidates)  # [kv * d] mean query
+        best = self._ranked_events(queries, memory, scaling, candidates)
         similar = fill_budget(_pinned_first(memory.pinned_events(), best.to("cpu")), sizes,
                               config.similarity_tokens).tolist()
         neighbours = self.contiguity.update(similar, sizes, self.index.size)
@@ -189,13 +186,27 @@ class LayerMemory:
         self.memory_keys = torch.cat([self.sink_keys, keys], dim=1)
         self.memory_values = torch.cat([self.sink_values, values], dim=1)
 
-    def _rank_by_attention(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> torch.Tensor:
-        """Event ids, best first, by the attention a strided sample of the queries gives their stored tokens."""
+    def _ranked_events(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float,
+                       candidates: int) -> torch.Tensor:
+        """The best ``candidates`` event ids, best first (CPU), by this layer's scores, or under
+        retrieval_pooling="cumulative" by the scores pooled over this and the earlier layers of the same forward."""
+        mean_query = queries.float().mean(dim=1).reshape(-1)                                  # [kv * d]
+        if self.config.retrieval_scoring == "representatives" and self.config.retrieval_pooling == "none":
+            return self.index.search(mean_query, candidates)[1].to("cpu")  # faiss top-k where the index uses it
+        if self.config.retrieval_scoring == "attention":
+            scores = self._attention_mass(queries, memory, scaling)                           # [e]
+        else:
+            scores = self.index.scores(mean_query)                                            # [e]
+        if self.config.retrieval_pooling == "cumulative":
+            scores = memory.pool_scores(scores)
+        return torch.argsort(scores, descending=True)[:candidates].to("cpu")
+
+    def _attention_mass(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> torch.Tensor:
+        """[e] the attention a strided sample of the queries gives each event's stored tokens."""
         rows = queries.shape[1]
         sample = queries[:, ::max(1, -(-rows // ATTENTION_SCORING_ROWS))]                     # [kv, <=256, d]
         keys = self._stored_keys(memory.store)          # [kv, n, d]: events cover every stored token
-        mass = attention_mass_per_event(sample, keys, memory.event_sizes, scaling)          # [e]
-        return torch.argsort(mass, descending=True).to("cpu")
+        return attention_mass_per_event(sample, keys, memory.event_sizes, scaling)
 
     def _stored_keys(self, store: PageStore) -> torch.Tensor:
         """Every stored key of this layer, [kv, n, d]. Read from the store's pages, attention scoring would gather,
@@ -259,7 +270,8 @@ class EpisodicMemory:
         self.event_starts = torch.empty(0, dtype=torch.long)    # [events] store-relative token positions
         self.event_sizes = torch.empty(0, dtype=torch.long)     # [events]
         self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
-        self.retrieve_now = True                                # set by the engine before each forward
+        self.retrieve_now = True                                # set by begin_forward before each forward
+        self.score_pool: torch.Tensor | None = None             # [events] pooled standardised scores this forward
         # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
         # tokens whose predicting logits are at hand (the first of each forward) get one.
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
@@ -281,6 +293,26 @@ class EpisodicMemory:
     def has_memory_part(self) -> bool:
         """Sinks and events sit at a fixed position only once something has been evicted."""
         return self.sinks_split
+
+    def begin_forward(self, retrieve: bool) -> None:
+        """Called by the engine before each forward: whether its layers retrieve, and a fresh score pool."""
+        self.retrieve_now = retrieve
+        self.score_pool = None
+
+    def pool_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Add one layer's event scores [e], standardised, to this forward's pool and return the pool [e].
+
+        Standardised because scores of different layers live on different scales (logits, attention masses):
+        mean 0 and deviation 1 give each layer one vote's weight. Layers run in order, so layer l ranks by the
+        sum over layers 0..l (retrieval_pooling="cumulative")."""
+        scores = scores.float()
+        spread = scores.std() if scores.numel() > 1 else scores.new_tensor(0.0)
+        standard = (scores - scores.mean()) / spread.clamp_min(1e-12)
+        if self.score_pool is None or self.score_pool.shape != standard.shape:
+            self.score_pool = standard
+        else:
+            self.score_pool = self.score_pool.to(standard.device) + standard
+        return self.score_pool
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Record tokens just read and their surprise.

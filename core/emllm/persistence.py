@@ -64,7 +64,8 @@ KV_FILE = "kv.safetensors"
 PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
                     "max_input_tokens")
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
-ADDED_FIELDS: dict[str, Any] = {"retrieval_scoring": "representatives", "memory_positions": "fixed"}
+ADDED_FIELDS: dict[str, Any] = {"retrieval_scoring": "representatives", "memory_positions": "fixed",
+                                "retrieval_pooling": "none"}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "bool": torch.bool}

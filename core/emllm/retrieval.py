@@ -70,8 +70,11 @@ class RepresentativeIndex:
             return empty, empty.long()
         if self.uses_faiss():
             return self._search_faiss(query, k)
-        scores = self.vectors @ query.to(self.device, torch.float32)  # [size]
-        return torch.topk(scores, k)
+        return torch.topk(self.scores(query), k)
+
+    def scores(self, query: torch.Tensor) -> torch.Tensor:
+        """[size] every event's score for query [dim] (exact, in torch: pooling needs them all, not a top-k)."""
+        return self.vectors @ query.to(self.device, torch.float32)
 
     def _search_faiss(self, query: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         import faiss  # imported here: small stores never need it
