@@ -194,14 +194,16 @@ def test_cli_resume_checks_the_dtype_given_with_dtype(tmp_path, capsys):
     assert "dtype: earlier 'float16', now 'float32'" in capsys.readouterr().err
 
 
-def test_cli_resume_checks_the_memory_positions_given(tmp_path, capsys):
-    """--memory-positions reaches the settings a resume is checked against (rows of one layout only per folder)."""
+@pytest.mark.parametrize("option, field, value", [("--memory-positions", "memory_positions", "ordered"),
+                                                  ("--retrieval-pooling", "retrieval_pooling", "cumulative")])
+def test_cli_resume_checks_the_engine_fields_given(tmp_path, capsys, option, field, value):
+    """Engine options reach the settings a resume is checked against (rows of one setting only per folder)."""
     write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path,
                  bench.settings_record(bench.BenchSettings(("passkey",), (0.5,))))
     args = ["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(tmp_path), "--resume"]
-    assert main(args + ["--memory-positions", "ordered"]) == 2
+    assert main(args + [option, value]) == 2
     err = capsys.readouterr().err
-    assert "engine_fields" in err and "'memory_positions': 'ordered'" in err
+    assert "engine_fields" in err and f"'{field}': '{value}'" in err
 
 
 def test_cli_will_not_overwrite_earlier_results_without_resume(tmp_path, capsys):
