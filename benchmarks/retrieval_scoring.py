@@ -59,7 +59,8 @@ VARIANTS = {  # name -> EMConfig fields
 
 
 def run(tokens: int, depths: list[float], preset: str, task: str = "needle", model: str | None = None,
-        variants: list[str] | None = None, pin_answer: bool = False, **engine_fields) -> list[dict]:
+        variants: list[str] | None = None, pin_answer: bool = False, question_in_last_chunk: bool = False,
+        **engine_fields) -> list[dict]:
     from emllm import EMEngine
 
     engine = EMEngine.from_pretrained(model, preset=preset, **engine_fields)
@@ -69,7 +70,7 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
     with tqdm(total=len(chosen) * len(probes.questions), desc="retrieval scoring", unit="question") as bar:
         for variant, fields in chosen.items():
             config = engine.config.replace(**fields)
-            for memory, read_seconds, question in probes.memories(engine, config, pin_answer):
+            for memory, read_seconds, question in probes.memories(engine, config, pin_answer, question_in_last_chunk):
                 first, last = question.span
                 stats = memory.stats()
                 # in the local window (or the sinks) every layer attends to the needle without retrieving it
@@ -80,7 +81,8 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
                 answer = engine.generate(question.ids, memory=memory, max_new_tokens=10)
                 answer_seconds = time.perf_counter() - started
                 memory.close()
-                rows.append({"task": task, "variant": variant + (", answer pinned" if pin_answer else ""),
+                suffix = ", answer pinned" * pin_answer + ", question in the last chunk" * question_in_last_chunk
+                rows.append({"task": task, "variant": variant + suffix,
                              "tokens": len(question.ids), "depth": question.depth,
                              "expected": question.answer, "needle_layers": layers, "num_layers": num_layers,
                              "needle_in_window": in_window,
@@ -107,19 +109,23 @@ class _Probes:
     questions: list[_Question]
     shared_context: list[int] | None  # multidoc: one context for every question, read once, asked from forks
 
-    def memories(self, engine, config, pin_answer: bool = False) -> Iterator[tuple[object, float, _Question]]:
+    def memories(self, engine, config, pin_answer: bool = False,
+                 question_in_last_chunk: bool = False) -> Iterator[tuple[object, float, _Question]]:
         """A memory that has read each question's whole prompt, and the seconds reading it alone costs. The context
         is read first, then the question in a forward of its own, as `emllm bench` and the adapters' follow-up
         questions do (the question's retrieval is then its own, not a chunk's of context and question). With
         ``pin_answer`` the answering sentence is pinned between the two (EpisodicMemory.pin: every layer holds it
-        at every later retrieval): what the model does when retrieval cannot miss."""
+        at every later retrieval): what the model does when retrieval cannot miss. With ``question_in_last_chunk``
+        (needle only) each whole prompt is read in plain chunks, so the question shares the last chunk's retrieval
+        with the context's tail: what a one-call prompt got before EMConfig.read_question_alone."""
         if self.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
-            reads = engine.read_each([q.ids[:q.context_tokens] for q in self.questions], config=config)
+            reads = engine.read_each([q.ids if question_in_last_chunk else q.ids[:q.context_tokens]
+                                      for q in self.questions], config=config)
             for (memory, seconds), question in zip(reads, self.questions):
                 if pin_answer:
                     memory.pin(*question.span)
                 started = time.perf_counter()
-                engine.read(memory, question.ids[question.context_tokens:])
+                engine.read(memory, question.ids[memory.total_tokens:])
                 yield memory, seconds + time.perf_counter() - started, question
             return
         context = engine.new_memory(config)
@@ -200,10 +206,15 @@ def main() -> None:
     parser.add_argument("--pin-answer", action="store_true",
                         help="pin the answering sentence after the context is read (EpisodicMemory.pin): every layer "
                              "holds it, so a miss is the model's reading, not retrieval's")
+    parser.add_argument("--question-in-last-chunk", action="store_true",
+                        help="needle only: read each whole prompt in plain chunks (the question in the last one, "
+                             "with the context's tail), as a one-call prompt was read before read_question_alone")
     args = parser.parse_args()
+    if args.question_in_last_chunk and (args.task != "needle" or args.pin_answer):
+        parser.error("--question-in-last-chunk is for the needle task without --pin-answer")
     fields = {key: value for key, value in (("n_mem", args.n_mem), ("n_local", args.n_local)) if value is not None}
     rows = run(args.tokens, args.depths, args.preset, args.task, args.model, args.variants, args.pin_answer,
-               **fields)
+               args.question_in_last_chunk, **fields)
     if args.task == "needle":  # the 16K default run keeps its original file name
         name = "retrieval_scoring" + ("" if args.tokens == 16_384 and not args.model else
                                       f"_needle_{args.model or 'smollm2'}_{args.tokens}")
@@ -211,6 +222,7 @@ def main() -> None:
         name = f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
     name += "".join(f"_{key.replace('_', '')}{value}" for key, value in fields.items())
     name += "_pinned" if args.pin_answer else ""
+    name += "_question_in_last_chunk" if args.question_in_last_chunk else ""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
     (RESULTS / f"{name}.md").write_text(table(rows) + "\n")

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +30,11 @@ from .rope import RotaryTable
 
 Message = dict[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
+
+
+class EncodedPrompt(NamedTuple):
+    ids: list[int]
+    question_start: int | None  # token index where the prompt's last paragraph begins; None: ids, or no paragraphs
 
 
 class MemoryMismatchError(ValueError):
@@ -210,12 +215,46 @@ class EMEngine:
         raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
                         f"got a list of {sorted({type(p).__name__ for p in prompt})}.")
 
+    def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
+        """prompt_ids() and where the question starts: the prompt's last paragraph, i.e. the text after its last
+        blank line, or the last message if that starts later. read() gives it forwards of its own (see
+        EMConfig.read_question_alone). Token ids carry no paragraphs: their question_start is None."""
+        if isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes, bytearray, dict)):
+            prompt = list(prompt)  # a generator is walked once, here
+        ids = self.prompt_ids(prompt)
+        if isinstance(prompt, str):
+            return EncodedPrompt(ids, self._token_at(prompt, ids, _last_paragraph(prompt, 0)))
+        if not all(isinstance(p, dict) for p in prompt):
+            return EncodedPrompt(ids, None)
+        messages = normalize_messages(prompt, merge=False)
+        text = self._render_chat(messages, add_generation_prompt=True)
+        try:
+            before_last = self._render_chat(messages[:-1], add_generation_prompt=False) if len(messages) > 1 else ""
+        except Exception:  # a template that refuses the shorter conversation (e.g. one ending on a system turn)
+            before_last = text + "\0"
+        last_turn = len(before_last) if text.startswith(before_last) else 0  # a template that merged turns: 0
+        return EncodedPrompt(ids, self._token_at(text, ids, _last_paragraph(text, last_turn)))
+
+    def _token_at(self, text: str, ids: list[int], char: int) -> int | None:
+        """The index of the token where text[char:] begins (None at the very start: nothing to split off). Where
+        the tokenizer merges across that character, the split moves back to the last token both share."""
+        if char == 0:
+            return None
+        head = self.tokenizer(text[:char], add_special_tokens=False)["input_ids"]
+        start = _common_prefix(ids, head)
+        return start if 0 < start < len(ids) else None
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------ reading
-    def read(self, memory: EpisodicMemory, ids: Sequence[int] | str, *, progress: bool = False) -> int:
-        """Read tokens (or text) into the memory in chunks; returns how many were read."""
+    def read(self, memory: EpisodicMemory, ids: Sequence[int] | str, *, progress: bool = False,
+             question_start: int | None = None) -> int:
+        """Read tokens (or text) into the memory in chunks; returns how many were read.
+
+        ``question_start`` is a position counted from the memory's first token (EncodedPrompt.question_start): if
+        it falls inside these tokens and the config's read_question_alone is on, the chunks restart there, so the
+        question's retrieval is driven by its own queries rather than by the document's last chunk."""
         if isinstance(ids, str):
             ids = self.tokenize(ids)
         if memory.closed:
@@ -224,10 +263,14 @@ class EMEngine:
         tokens = self._check_ids(ids)
         self._check_budget(memory, len(tokens))
         chunk = memory.config.chunk_size
+        split = len(tokens)
+        if question_start is not None and memory.config.read_question_alone:
+            split = min(max(question_start - memory.total_tokens, 0), len(tokens))
+        starts = [*range(0, split, chunk), *range(split, len(tokens), chunk)]
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:
-            for start in range(0, len(tokens), chunk):
-                piece = tokens[start:start + chunk]
+            for start, end in zip(starts, [*starts[1:], len(tokens)]):
+                piece = tokens[start:end]
                 self._forward(memory, piece, retrieve=True)
                 bar.update(len(piece))
                 bar.set_postfix(events=memory.num_events, refresh=False)
@@ -331,12 +374,12 @@ class EMEngine:
         """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read."""
         check_sampling(max_new_tokens, temperature, top_p, top_k)
         stop = [s for s in (stop or []) if s]
-        ids = self.prompt_ids(prompt)
+        ids, question_start = self.encode_prompt(prompt)
         own_memory = memory is None
         memory = memory if memory is not None else self.new_memory()
         holder: dict = {}
-        return TextStream(self._run(memory, ids, own_memory, max_new_tokens, temperature, top_p, top_k, seed,
-                                    stop, progress, holder), holder)
+        return TextStream(self._run(memory, ids, question_start, own_memory, max_new_tokens, temperature, top_p,
+                                    top_k, seed, stop, progress, holder), holder)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)
@@ -347,7 +390,8 @@ class EMEngine:
     def chat(self, messages: Sequence[Message], **kwargs: Any) -> GenerationResult:
         return self.generate(list(messages), **kwargs)
 
-    def _run(self, memory: EpisodicMemory, ids: list[int], own_memory: bool, max_new_tokens: int,
+    def _run(self, memory: EpisodicMemory, ids: list[int], question_start: int | None, own_memory: bool,
+             max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str], progress: bool,
              holder: dict) -> Iterator[str]:
         try:
@@ -358,7 +402,7 @@ class EMEngine:
                     f"(they first differ at token {_common_prefix(memory.token_ids, ids)}). Use a new memory "
                     "for a different conversation.")
             started = time.perf_counter()
-            self.read(memory, ids[seen:], progress=progress)
+            self.read(memory, ids[seen:], progress=progress, question_start=question_start)
             prefill = time.perf_counter() - started
             retrieved = memory.retrieved_events()
             generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
@@ -426,6 +470,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     differs = (torch.tensor(a[:n], dtype=torch.long) != torch.tensor(b[:n], dtype=torch.long)).nonzero()
     return int(differs[0]) if len(differs) else n
+
+
+def _last_paragraph(text: str, last_turn: int) -> int:
+    """Where the last paragraph of text begins: after its last blank line (trailing whitespace ignored), or at
+    last_turn (the last message's start in a rendered chat) if that is later; 0 when it has neither."""
+    blank = text.rstrip().rfind("\n\n")
+    return max(blank + 2 if blank >= 0 else 0, last_turn)
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,

@@ -190,12 +190,12 @@ class LayerMemory:
                        candidates: int) -> torch.Tensor:
         """The best ``candidates`` event ids, best first (CPU), by this layer's scores, or under
         retrieval_pooling="cumulative" by the scores pooled over this and the earlier layers of the same forward."""
-        mean_query = queries.float().mean(dim=1).reshape(-1)                                  # [kv * d]
-        if self.config.retrieval_scoring == "representatives" and self.config.retrieval_pooling == "none":
-            return self.index.search(mean_query, candidates)[1].to("cpu")  # faiss top-k where the index uses it
         if self.config.retrieval_scoring == "attention":
             scores = self._attention_mass(queries, memory, scaling)                           # [e]
         else:
+            mean_query = queries.float().mean(dim=1).reshape(-1)                              # [kv * d]
+            if self.config.retrieval_pooling == "none":
+                return self.index.search(mean_query, candidates)[1].to("cpu")  # faiss top-k where the index uses it
             scores = self.index.scores(mean_query)                                            # [e]
         if self.config.retrieval_pooling == "cumulative":
             scores = memory.pool_scores(scores)

@@ -65,7 +65,7 @@ PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_bu
                     "max_input_tokens")
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
 ADDED_FIELDS: dict[str, Any] = {"retrieval_scoring": "representatives", "memory_positions": "fixed",
-                                "retrieval_pooling": "none"}
+                                "retrieval_pooling": "none", "read_question_alone": False}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "bool": torch.bool}

@@ -160,9 +160,9 @@ class MemoryPool:
         """
         check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
                         sampling.get("top_p", 1.0), sampling.get("top_k", 0))  # before any reading, not after
-        ids = self.engine.prompt_ids(prompt)
+        ids, question_start = self.engine.encode_prompt(prompt)
         holder: dict = {}
-        return TextStream(self._run(ids, progress, sampling, holder), holder)
+        return TextStream(self._run(ids, question_start, progress, sampling, holder), holder)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Any:
         stream = self.stream(prompt, **kwargs)
@@ -170,12 +170,13 @@ class MemoryPool:
             pass
         return stream.result
 
-    def _run(self, ids: list[int], progress: bool, sampling: dict, holder: dict) -> Iterator[str]:
+    def _run(self, ids: list[int], question_start: int | None, progress: bool, sampling: dict,
+             holder: dict) -> Iterator[str]:
         memory = self.acquire(ids)
         reused = memory.total_tokens
         try:
             started = time.perf_counter()
-            self.engine.read(memory, ids[reused:], progress=progress)
+            self.engine.read(memory, ids[reused:], progress=progress, question_start=question_start)
             prefill = time.perf_counter() - started
             self.keep(memory.fork())
             inner = self.engine.stream(ids, memory=memory, **sampling)

@@ -20,3 +20,20 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def smol_engine():
+    """The real SmolLM2 tokenizer (files only, no weights) on a tiny model with its vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    from emllm import EMConfig, EMEngine
+    from emllm.models import ModelNotAvailableError, resolve_model_dir
+
+    from .tiny import TINY, tiny_model
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(None, progress=False))
+    except ModelNotAvailableError as error:
+        pytest.skip(f"the embedded SmolLM2 package is not installed, so its tokenizer is not here: {error}")
+    model = tiny_model(vocab=len(tokenizer), hidden=16, intermediate=32)
+    return EMEngine(model, tokenizer, EMConfig.from_preset("SM+C", **TINY), model_name="tiny-smollm2-vocab")

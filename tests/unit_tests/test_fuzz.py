@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from emllm import ConfigError, EMConfig, EMEngine, GenerationResult, StorageFullError
 from emllm.storage import PageStore
 
-from .tiny import TINY, VOCAB, tiny_engine, tiny_model, token_ids
+from .tiny import TINY, VOCAB, tiny_engine, token_ids
 
 pytestmark = pytest.mark.timeout(300)  # a hang fails the test instead of stalling the run
 
@@ -56,20 +56,6 @@ def engine() -> EMEngine:
     return tiny_engine()
 
 
-@pytest.fixture(scope="module")
-def smol_engine() -> EMEngine:
-    """The real SmolLM2 tokenizer (files only, no weights) on a tiny model with its vocabulary."""
-    transformers = pytest.importorskip("transformers")
-    from emllm.models import ModelNotAvailableError, resolve_model_dir
-
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(None, progress=False))
-    except ModelNotAvailableError as error:
-        pytest.skip(f"the embedded SmolLM2 package is not installed, so its tokenizer is not here: {error}")
-    model = tiny_model(vocab=len(tokenizer), hidden=16, intermediate=32)
-    return EMEngine(model, tokenizer, EMConfig.from_preset("SM+C", **TINY), model_name="tiny-smollm2-vocab")
-
-
 # ============================================================================ configs
 @st.composite
 def valid_configs(draw) -> dict:
@@ -88,7 +74,7 @@ def valid_configs(draw) -> dict:
         contiguity=contiguity, contiguity_neighbours=draw(st.integers(1, 3)),
         retrieval_backend=draw(st.sampled_from(["auto", "torch", "faiss"])),
         retrieval_scoring=draw(st.sampled_from(["representatives", "attention"])),
-        memory_positions=draw(st.sampled_from(["fixed", "ordered"])),
+        memory_positions=draw(st.sampled_from(["fixed", "ordered"])), read_question_alone=draw(st.booleans()),
         faiss_min_events=draw(st.sampled_from([1, 20_000])), decode_retrieve_every=draw(st.integers(1, 4)),
         attention=draw(st.sampled_from(["episodic"] * 5 + ["full"])), page_tokens=draw(st.integers(1, 32)),
         ram_budget_mb=draw(st.sampled_from([None, 0, 0.01])))

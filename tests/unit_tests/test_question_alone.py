@@ -1,0 +1,121 @@
+"""read_question_alone: a prompt's last paragraph (its question) is read in forwards of its own, so the retrieval
+that serves the answer is driven by the question's queries, not by a chunk that is mostly document.
+
+A tiny random Llama runs the real engine; the chat-template cases use the real SmolLM2 tokenizer (smol_engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emllm import EMConfig, EMEngine, MemoryPool
+from emllm.config import ConfigError
+
+from .tiny import tiny_engine, token_ids
+
+CHUNK = 16  # tiny.TINY's chunk_size
+
+
+def words(n: int, seed: int) -> str:
+    """n tiny-vocabulary words, each one token (t30..t95: t1 and t2 are special and would split 't1x' words)."""
+    return " ".join(f"t{30 + i % 66}" for i in token_ids(n, seed=seed))
+
+
+DOCUMENT, QUESTION = words(100, 0), words(10, 5)
+
+
+def forward_sizes(monkeypatch, engine: EMEngine) -> list[int]:
+    """Records the length of every forward the engine makes (prompt chunks, then one token per generated token)."""
+    sizes: list[int] = []
+    real = EMEngine._forward
+
+    def spy(self, memory, ids, retrieve):
+        sizes.append(len(ids))
+        return real(self, memory, ids, retrieve)
+
+    monkeypatch.setattr(EMEngine, "_forward", spy)
+    return sizes
+
+
+def test_a_texts_question_starts_after_its_last_blank_line():
+    engine = tiny_engine("S")
+    prompt = engine.encode_prompt(f"{words(20, 1)}\n\n{DOCUMENT}\n\n{QUESTION}\n\n ")  # trailing space ignored
+    assert prompt.question_start == 120 and prompt.ids[120:] == engine.tokenize(QUESTION)
+    assert engine.encode_prompt(DOCUMENT + " " + QUESTION).question_start is None  # one paragraph: nothing to split
+    assert engine.encode_prompt(engine.tokenize(DOCUMENT)).question_start is None  # token ids carry no paragraphs
+
+
+def test_a_chats_question_is_its_last_paragraph_or_its_last_message():
+    engine = tiny_engine("S")  # no chat template: "role: content" lines
+    one_message = engine.encode_prompt([{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTION}"}])
+    assert one_message.ids[one_message.question_start:] == engine.tokenize(f"{QUESTION}\nassistant: ")
+    turns = [{"role": "user", "content": f"{words(20, 1)}\n\n{DOCUMENT}"}, {"role": "assistant", "content": "t30"},
+             {"role": "user", "content": QUESTION}]
+    last_turn = engine.encode_prompt(iter(turns))  # any iterable of messages, walked once
+    assert last_turn.ids[last_turn.question_start:] == engine.tokenize(f"user: {QUESTION}\nassistant: ")
+
+
+def test_with_the_real_chat_template_the_question_starts_at_its_turn(smol_engine):
+    doc = "The letter was sent from Lisbon in May.\n\nIt was long."
+    system = [{"role": "system", "content": doc}, {"role": "user", "content": "Who sent it?"}]
+    prompt = smol_engine.encode_prompt(system)
+    assert smol_engine.tokenizer.decode(prompt.ids[prompt.question_start:]) == \
+        "<|im_start|>user\nWho sent it?<|im_end|>\n<|im_start|>assistant\n"
+    inline = smol_engine.encode_prompt([{"role": "user", "content": doc + "\n\nWho sent it?"}])
+    # The blank line itself goes with the question: followed by text it is two "\n" tokens, at the end of the
+    # document alone one "\n\n" token, so the split moves back to the last token both tokenizations share.
+    assert smol_engine.tokenizer.decode(inline.ids[inline.question_start:]) == \
+        "\n\nWho sent it?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("alone, forwards", [(True, [CHUNK] * 6 + [4, 10]), (False, [CHUNK] * 6 + [14])])
+def test_the_question_gets_forwards_of_its_own_unless_turned_off(monkeypatch, alone, forwards):
+    engine = tiny_engine("S", read_question_alone=alone)
+    sizes = forward_sizes(monkeypatch, engine)
+    result = engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=3)
+    assert sizes[:len(forwards)] == forwards and sizes[len(forwards):] == [1] * (result.output_tokens - 1)
+
+
+def test_one_call_equals_reading_the_document_first_then_asking():
+    """The split is exactly the README's two-step recipe: same forwards, so the same retrieval and answer."""
+    engine = tiny_engine("S", retrieval_scoring="attention", retrieval_pooling="cumulative")
+    text = f"{DOCUMENT}\n\n{QUESTION}"
+    ids, question_start = engine.encode_prompt(text)
+    one_call = engine.new_memory()
+    first = engine.generate(text, memory=one_call, max_new_tokens=4)
+    two_steps = engine.new_memory()
+    engine.read(two_steps, ids[:question_start])
+    second = engine.generate(ids, memory=two_steps, max_new_tokens=4)
+    assert first.token_ids == second.token_ids and first.retrieved_events == second.retrieved_events
+    assert one_call.token_ids == two_steps.token_ids and torch.equal(one_call.event_sizes, two_steps.event_sizes)
+    for a, b in zip(one_call.layers, two_steps.layers):
+        assert a.retrieved_ids == b.retrieved_ids
+    one_call.close()
+    two_steps.close()
+
+
+def test_a_memory_pool_reads_the_question_alone_too(monkeypatch):
+    engine = tiny_engine("S")
+    sizes = forward_sizes(monkeypatch, engine)
+    pool = MemoryPool(engine, engine.config)
+    pooled = pool.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=2)
+    assert sizes[:8] == [CHUNK] * 6 + [4, 10]
+    assert pooled.token_ids == engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=2).token_ids
+    pool.close()
+
+
+def test_a_question_start_already_read_changes_nothing(monkeypatch):
+    engine = tiny_engine("S")
+    sizes = forward_sizes(monkeypatch, engine)
+    memory = engine.new_memory()
+    engine.read(memory, token_ids(40, seed=1))
+    engine.read(memory, token_ids(40, seed=2), question_start=10)  # before this read: plain chunks
+    engine.read(memory, token_ids(40, seed=3), question_start=80 + 40)  # at its end: plain chunks
+    engine.read(memory, token_ids(40, seed=4), question_start=120 + 5)
+    assert sizes == [16, 16, 8] * 3 + [5, 16, 16, 3]
+    memory.close()
+
+
+def test_a_non_boolean_setting_is_refused():
+    with pytest.raises(ConfigError, match="read_question_alone must be True or False"):
+        EMConfig(read_question_alone="yes")
