@@ -10,11 +10,12 @@ from the store's pages, as before the copy existed; "ordered" and "attention, or
 memory_positions="ordered", retrieved events at their input order's positions instead of all at one; "pooled" and
 "attention, pooled": retrieval_pooling="cumulative", each layer ranking by its and the earlier layers' scores), the
 needle document (Paul Graham essays, a 7-digit number) is read, then the question with the start of its answer in a
-forward of its own, as `emllm bench` asks (before 2026-11-25 the question was read in one call with the context, so
-its retrieval was the last chunk's: context tail and question together). The table gives how many of the model's layers hold the
-needle's event in attention when the answer starts ("local window" when the needle was never evicted, so every layer
-sees it), the answer, and the seconds: reading (the question included),
-answering, and decoding per token (a retrieval per token per layer). The haystack is read once per variant and
+forward of its own, as `emllm bench` asks and as the engine reads a one-call prompt (EMConfig.read_question_alone;
+before 2026-11-25 this script read each prompt in plain chunks, so the question's retrieval was the last chunk's:
+context tail and question together; ``--question-in-last-chunk`` reads so again). The table gives how many of the
+model's layers hold the needle's event in attention when the answer starts ("local window" when the needle was never
+evicted, so every layer sees it), the answer, and the seconds: reading (the question included), answering, and
+decoding per token (a retrieval per token per layer). The haystack is read once per variant and
 forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md} (other lengths or
 models: retrieval_scoring_needle_<model>_<tokens>.{json,md}).
 
@@ -30,7 +31,8 @@ question. Writes benchmarks/results/retrieval_scoring_multidoc_<model>_<tokens>.
 
 reads each context, pins the answering sentence (EpisodicMemory.pin: every layer holds it at every later
 retrieval), then reads the question: a miss is then the model's reading, not retrieval's. ``--n-local`` and
-``--n-mem`` change the layout; each adds to the output file's name (``_nlocal512``, ``_pinned``).
+``--n-mem`` change the layout; each such option adds to the output file's name (``_nlocal512``, ``_pinned``,
+``_question_in_last_chunk``).
 """
 
 from __future__ import annotations

@@ -128,22 +128,22 @@ def test_device_map_auto_loads_and_runs():
 
 def test_the_readme_needle_recipe_answers_an_evicted_essay_needle(smol_fp32):
     """README's recipe for one fact deep in prose (a 512-token window, attention scoring pooled over layers, the
-    question read after the document): at 8K the needle leaves the window and most layers retrieve it for the
-    question, and the model copies the number. float32, so the counts do not depend on the CPU's bf16 support
-    (measured here: 23 of 30 layers; benchmarks/README.md has 32K)."""
+    prompt in one call, its question read in forwards of its own): at 8K the needle leaves the window and most
+    layers retrieve it for the question, and the model copies the number. float32, so the counts do not depend on
+    the CPU's bf16 support (measured here: 23 of 30 layers; benchmarks/README.md has 32K and 64K)."""
     from emllm_integrations.prompts import probe_suffix
 
     engine = EMEngine(*smol_fp32, EMConfig.from_preset("S", n_local=512, retrieval_scoring="attention",
                                                        retrieval_pooling="cumulative"))
     doc = needle_document(8000, 0.3, engine.count_tokens, seed=7)
-    context = engine.tokenize(doc.context)
     span = (engine.count_tokens(doc.context[:doc.needle_offset]),
             engine.count_tokens(doc.context[:doc.needle_offset + len(doc.needle)]))
-    prompt = context + engine.tokenize(probe_suffix(doc.question, doc.answer_lead))
+    prompt = doc.context + probe_suffix(doc.question, doc.answer_lead)
     memory = engine.new_memory()
-    engine.read(memory, context)
-    engine.read(memory, prompt[len(context):])  # what generate reads first; read here to count the layers after it
+    first = engine.generate(prompt, memory=memory, max_new_tokens=1)  # one token: no retrieval after the prompt's
     assert memory.local_start > span[1]  # evicted: only retrieval can show it
     assert memory.layers_holding(*span) > len(memory.layers) // 2
-    assert doc.answer in engine.generate(prompt, memory=memory, max_new_tokens=12).text
+    answer = engine.generate(memory.token_ids, memory=memory, max_new_tokens=12)  # all read: goes on from there
+    assert answer.new_input_tokens == 0 and answer.token_ids[0] == first.token_ids[0]
+    assert doc.answer in answer.text
     memory.close()
