@@ -236,12 +236,14 @@ class EMEngine:
         return EncodedPrompt(ids, self._token_at(text, ids, _last_paragraph(text, last_turn)))
 
     def _token_at(self, text: str, ids: list[int], char: int) -> int | None:
-        """The index of the token where text[char:] begins (None at the very start: nothing to split off). Where
-        the tokenizer merges across that character, the split moves back to the last token both share."""
+        """The index of the token where text[char:] begins (None at the very start: nothing to split off). Only the
+        tail is tokenised again (a follow-up turn must not pay for re-tokenising a book); where its first token
+        differs from the whole text's (a merge across the cut, a leading-space marker) the split moves to the
+        first token both share."""
         if char == 0:
             return None
-        head = self.tokenizer(text[:char], add_special_tokens=False)["input_ids"]
-        start = _common_prefix(ids, head)
+        tail = self.tokenizer(text[char:], add_special_tokens=False)["input_ids"]
+        start = len(ids) - _common_prefix(ids[::-1], tail[::-1])
         return start if 0 < start < len(ids) else None
 
     def count_tokens(self, text: str) -> int:
