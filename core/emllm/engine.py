@@ -219,15 +219,16 @@ class EMEngine:
         """prompt_ids() and where the question starts: the prompt's last paragraph, i.e. the text after its last
         blank line, or the last message if that starts later. read() gives it forwards of its own (see
         EMConfig.read_question_alone). Token ids carry no paragraphs: their question_start is None."""
-        if isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes, bytearray, dict)):
-            prompt = list(prompt)  # a generator is walked once, here
-        ids = self.prompt_ids(prompt)
         if isinstance(prompt, str):
+            ids = self.tokenize(prompt)
             return EncodedPrompt(ids, self._token_at(prompt, ids, _last_paragraph(prompt, 0)))
-        if not all(isinstance(p, dict) for p in prompt):
-            return EncodedPrompt(ids, None)
+        if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, dict)):
+            prompt = list(prompt)  # a generator is walked once, here
+        if not (isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt)):
+            return EncodedPrompt(self.prompt_ids(prompt), None)  # token ids, or refused there with the reason
         messages = normalize_messages(prompt, merge=False)
         text = self._render_chat(messages, add_generation_prompt=True)
+        ids = self.tokenize(text)  # = chat_ids(prompt), rendered once
         try:
             before_last = self._render_chat(messages[:-1], add_generation_prompt=False) if len(messages) > 1 else ""
         except Exception:  # a template that refuses the shorter conversation (e.g. one ending on a system turn)
@@ -243,7 +244,7 @@ class EMEngine:
         if char == 0:
             return None
         tail = self.tokenizer(text[char:], add_special_tokens=False)["input_ids"]
-        start = len(ids) - _common_prefix(ids[::-1], tail[::-1])
+        start = len(ids) - _common_prefix(ids[len(ids) - len(tail):][::-1], tail[::-1])
         return start if 0 < start < len(ids) else None
 
     def count_tokens(self, text: str) -> int:
@@ -393,9 +394,8 @@ class EMEngine:
         return self.generate(list(messages), **kwargs)
 
     def _run(self, memory: EpisodicMemory, ids: list[int], question_start: int | None, own_memory: bool,
-             max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str], progress: bool,
-             holder: dict) -> Iterator[str]:
+             max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str],
+             progress: bool, holder: dict) -> Iterator[str]:
         try:
             seen = memory.total_tokens
             if memory.token_ids != ids[:seen] or (seen == len(ids) and memory.last_logits is None):
