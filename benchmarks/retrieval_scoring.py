@@ -8,16 +8,17 @@ ranked by the attention the queries give their stored tokens; "attention, keys f
 RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
 from the store's pages, as before the copy existed; "ordered" and "attention, ordered": the same rankings with
 memory_positions="ordered", retrieved events at their input order's positions instead of all at one; "pooled" and
-"attention, pooled": retrieval_pooling="cumulative", each layer ranking by its and the earlier layers' scores), the
-needle document (Paul Graham essays, a 7-digit number) is read, then the question with the start of its answer in a
-forward of its own, as `emllm bench` asks and as the engine reads a one-call prompt (EMConfig.read_question_alone;
-before 2026-11-25 this script read each prompt in plain chunks, so the question's retrieval was the last chunk's:
-context tail and question together; ``--question-in-last-chunk`` reads so again). The table gives how many of the
-model's layers hold the needle's event in attention when the answer starts ("local window" when the needle was never
-evicted, so every layer sees it), the answer, and the seconds: reading (the question included), answering, and
-decoding per token (a retrieval per token per layer). The haystack is read once per variant and
-forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md} (other lengths or
-models: retrieval_scoring_needle_<model>_<tokens>.{json,md}).
+"attention, pooled": retrieval_pooling="cumulative", each layer ranking by its and the earlier layers' scores;
+"attention for questions, pooled": the representatives while reading, pooled attention scoring for the question and
+the answer's tokens), the needle document (Paul Graham essays, a 7-digit number) is read, then the question with the
+start of its answer in a forward of its own, as `emllm bench` asks and as the engine reads a one-call prompt
+(EMConfig.read_question_alone; before 2026-11-25 this script read each prompt in plain chunks, so the question's
+retrieval was the last chunk's: context tail and question together; ``--question-in-last-chunk`` reads so again).
+The table gives how many of the model's layers hold the needle's event in attention when the answer starts ("local
+window" when the needle was never evicted, so every layer sees it), the answer, and the seconds: reading (the
+question included), answering, and decoding per token (a retrieval per token per layer). The haystack is read once
+per variant and forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md} (other
+lengths or models: retrieval_scoring_needle_<model>_<tokens>.{json,md}).
 
     python benchmarks/retrieval_scoring.py --task multidoc --model qwen --tokens 32768 \
         --variants representatives attention
@@ -57,6 +58,8 @@ VARIANTS = {  # name -> EMConfig fields
     "attention, ordered": {"retrieval_scoring": "attention", "memory_positions": "ordered"},
     "pooled": {"retrieval_scoring": "representatives", "retrieval_pooling": "cumulative"},
     "attention, pooled": {"retrieval_scoring": "attention", "retrieval_pooling": "cumulative"},
+    "attention for questions, pooled": {"retrieval_scoring": "attention_for_questions",
+                                        "retrieval_pooling": "cumulative"},
 }
 
 
@@ -120,14 +123,17 @@ class _Probes:
         at every later retrieval): what the model does when retrieval cannot miss. With ``question_in_last_chunk``
         (needle only) each whole prompt is read in plain chunks, so the question shares the last chunk's retrieval
         with the context's tail: what a one-call prompt got before EMConfig.read_question_alone."""
+        chunk = config.chunk_size
         if self.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
-            reads = engine.read_each([q.ids if question_in_last_chunk else q.ids[:q.context_tokens]
-                                      for q in self.questions], config=config)
-            for (memory, seconds), question in zip(reads, self.questions):
+            # The question starts at the context's end, or (old reading) at the plain chunk boundary before it.
+            starts = [q.context_tokens // chunk * chunk if question_in_last_chunk else q.context_tokens
+                      for q in self.questions]
+            reads = engine.read_each([q.ids[:start] for q, start in zip(self.questions, starts)], config=config)
+            for (memory, seconds), question, start in zip(reads, self.questions, starts):
                 if pin_answer:
                     memory.pin(*question.span)
                 started = time.perf_counter()
-                engine.read(memory, question.ids[memory.total_tokens:])
+                engine.read_prompt(memory, question.ids, start)  # in answering forwards, as generate reads it
                 yield memory, seconds + time.perf_counter() - started, question
             return
         context = engine.new_memory(config)
@@ -140,7 +146,7 @@ class _Probes:
                 if pin_answer:
                     memory.pin(*question.span)
                 started = time.perf_counter()
-                engine.read(memory, question.ids[len(self.shared_context):])  # what generate would read first
+                engine.read_prompt(memory, question.ids, len(self.shared_context))  # what generate reads first
                 yield memory, context_seconds + time.perf_counter() - started, question
         finally:
             context.close()

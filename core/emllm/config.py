@@ -21,7 +21,7 @@ Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
 RetrievalBackend = Literal["auto", "torch", "faiss"]
-RetrievalScoring = Literal["representatives", "attention"]
+RetrievalScoring = Literal["representatives", "attention", "attention_for_questions"]
 RetrievalPooling = Literal["none", "cumulative"]
 MemoryPositions = Literal["fixed", "ordered"]
 
@@ -70,7 +70,10 @@ class EMConfig:
     budget each layer keeps a float32 copy of its stored keys for this (as many bytes again as the stored KV), so
     a retrieval reads one tensor instead of every page; with a budget, pages are read each time. Measured on
     SmolLM2-135M, needle at 16K tokens: the needle's event ranks 24-878 of 1,067 under "representatives" (answer
-    wrong), first in 6 of 30 layers under "attention" (answer right); see benchmarks/README.md."""
+    wrong), first in 6 of 30 layers under "attention" (answer right); see benchmarks/README.md.
+    "attention_for_questions": the representatives while a document is read, attention scoring for the forwards
+    that answer (a prompt's question, see read_question_alone, and every generated token): what decides the answer
+    is the question's retrieval, so reading keeps the paper's cost, which does not grow with the memory."""
     retrieval_pooling: RetrievalPooling = "none"
     """Whose scores rank events for a layer. "none", as in the paper: each layer ranks by its own queries.
     "cumulative": each layer ranks by the sum of its own and every earlier layer's scores for the same input

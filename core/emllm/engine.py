@@ -257,7 +257,8 @@ class EMEngine:
 
         ``question_start`` is a position counted from the memory's first token (EncodedPrompt.question_start): if
         it falls inside these tokens and the config's read_question_alone is on, the chunks restart there, so the
-        question's retrieval is driven by its own queries rather than by the document's last chunk."""
+        question's retrieval is driven by its own queries rather than by the document's last chunk. The forwards
+        from the question on (with read_question_alone off: the chunk holding its start) are answering ones."""
         if isinstance(ids, str):
             ids = self.tokenize(ids)
         if memory.closed:
@@ -266,18 +267,29 @@ class EMEngine:
         tokens = self._check_ids(ids)
         self._check_budget(memory, len(tokens))
         chunk = memory.config.chunk_size
-        split = len(tokens)
-        if question_start is not None and memory.config.read_question_alone:
-            split = min(max(question_start - memory.total_tokens, 0), len(tokens))
+        question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
+                                                                      len(tokens))
+        split = question if memory.config.read_question_alone else len(tokens)
         starts = [*range(0, split, chunk), *range(split, len(tokens), chunk)]
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, end in zip(starts, [*starts[1:], len(tokens)]):
                 piece = tokens[start:end]
-                self._forward(memory, piece, retrieve=True)
+                self._forward(memory, piece, retrieve=True, answering=end > question)
                 bar.update(len(piece))
                 bar.set_postfix(events=memory.num_events, refresh=False)
         return len(tokens)
+
+    def read_prompt(self, memory: EpisodicMemory, ids: list[int], question_start: int | None, *,
+                    progress: bool = False) -> int:
+        """Read the part of a prompt (EncodedPrompt) the memory has not read yet, its question in answering
+        forwards; token ids have no known question: their last chunk is taken for it (all of it when they are a
+        follow-up question shorter than a chunk)."""
+        seen = memory.total_tokens
+        if question_start is None:
+            chunk = memory.config.chunk_size
+            question_start = seen + max(0, len(ids) - seen - 1) // chunk * chunk
+        return self.read(memory, ids[seen:], progress=progress, question_start=question_start)
 
     def read_each(self, documents: Sequence[Sequence[int]], *,
                   config: EMConfig | None = None) -> Iterator[tuple[EpisodicMemory, float]]:
@@ -351,8 +363,9 @@ class EMEngine:
             sealed = max(0, evicted) // memory.store.page_tokens
             memory.store.check_disk_budget(memory.store.pages_beyond_memory(sealed))
 
-    def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool) -> torch.Tensor:
-        memory.begin_forward(retrieve)
+    def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool,
+                 answering: bool = False) -> torch.Tensor:
+        memory.begin_forward(retrieve, answering)
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
         keep = 0 if memory.track_surprise else 1
@@ -404,7 +417,7 @@ class EMEngine:
                     f"(they first differ at token {_common_prefix(memory.token_ids, ids)}). Use a new memory "
                     "for a different conversation.")
             started = time.perf_counter()
-            self.read(memory, ids[seen:], progress=progress, question_start=question_start)
+            self.read_prompt(memory, ids, question_start, progress=progress)
             prefill = time.perf_counter() - started
             retrieved = memory.retrieved_events()
             generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
@@ -431,7 +444,7 @@ class EMEngine:
                     yield text[len(emitted):safe]
                     emitted = text[:safe]
                 if step + 1 < max_new_tokens:
-                    self._forward(memory, torch.tensor([token]), retrieve=(step + 1) % every == 0)
+                    self._forward(memory, torch.tensor([token]), retrieve=(step + 1) % every == 0, answering=True)
             else:
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 if len(text) > len(emitted):

@@ -72,7 +72,7 @@ class LayerMemory:
         self._ordered_source = self.sink_keys  # the memory_keys tensor that ordered_keys was rotated from
         self.retrievals = 0
         # Attention scoring with no memory budget keeps a float32 copy of this layer's stored keys (_stored_keys).
-        self.keeps_key_copy = (config.retrieval_scoring == "attention" and config.ram_budget_mb is None
+        self.keeps_key_copy = (config.retrieval_scoring != "representatives" and config.ram_budget_mb is None
                                and config.device_budget_mb is None)
         self.key_copy = torch.empty(kv, 0, d, dtype=torch.float32, device=device)  # [kv, capacity, d]
         self.key_copy_length = 0   # stored tokens copied so far
@@ -190,7 +190,7 @@ class LayerMemory:
                        candidates: int) -> torch.Tensor:
         """The best ``candidates`` event ids, best first (CPU), by this layer's scores, or under
         retrieval_pooling="cumulative" by the scores pooled over this and the earlier layers of the same forward."""
-        if self.config.retrieval_scoring == "attention":
+        if memory.scoring_now == "attention":
             scores = self._attention_mass(queries, memory, scaling)                           # [e]
         else:
             mean_query = queries.float().mean(dim=1).reshape(-1)                              # [kv * d]
@@ -271,6 +271,7 @@ class EpisodicMemory:
         self.event_sizes = torch.empty(0, dtype=torch.long)     # [events]
         self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
         self.retrieve_now = True                                # set by begin_forward before each forward
+        self.scoring_now = "representatives"                    # how this forward ranks events (begin_forward)
         self.score_pool: torch.Tensor | None = None             # [events] pooled standardised scores this forward
         # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
         # tokens whose predicting logits are at hand (the first of each forward) get one.
@@ -294,9 +295,14 @@ class EpisodicMemory:
         """Sinks and events sit at a fixed position only once something has been evicted."""
         return self.sinks_split
 
-    def begin_forward(self, retrieve: bool) -> None:
-        """Called by the engine before each forward: whether its layers retrieve, and a fresh score pool."""
+    def begin_forward(self, retrieve: bool, answering: bool = False) -> None:
+        """Called by the engine before each forward: whether its layers retrieve, how they rank events (answering:
+        a question's or a generated token's forward, which retrieval_scoring="attention_for_questions" scores by
+        attention), and a fresh score pool."""
         self.retrieve_now = retrieve
+        scoring = self.config.retrieval_scoring
+        self.scoring_now = "attention" if scoring == "attention" or (
+            scoring == "attention_for_questions" and answering) else "representatives"
         self.score_pool = None
 
     def pool_scores(self, scores: torch.Tensor) -> torch.Tensor:

@@ -176,7 +176,7 @@ class MemoryPool:
         reused = memory.total_tokens
         try:
             started = time.perf_counter()
-            self.engine.read(memory, ids[reused:], progress=progress, question_start=question_start)
+            self.engine.read_prompt(memory, ids, question_start, progress=progress)
             prefill = time.perf_counter() - started
             self.keep(memory.fork())
             inner = self.engine.stream(ids, memory=memory, **sampling)

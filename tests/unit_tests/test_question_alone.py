@@ -10,6 +10,7 @@ import torch
 
 from emllm import EMConfig, EMEngine, MemoryPool
 from emllm.config import ConfigError
+from emllm.memory import LayerMemory
 
 from .tiny import tiny_engine, token_ids
 
@@ -24,14 +25,17 @@ def words(n: int, seed: int) -> str:
 DOCUMENT, QUESTION = words(100, 0), words(10, 5)
 
 
-def forward_sizes(monkeypatch, engine: EMEngine) -> list[int]:
-    """Records the length of every forward the engine makes (prompt chunks, then one token per generated token)."""
+def forward_sizes(monkeypatch, engine: EMEngine, flags: list[bool] | None = None) -> list[int]:
+    """Records the length of every forward the engine makes (prompt chunks, then one token per generated token)
+    and, into ``flags``, whether each was an answering forward (the question's or a generated token's)."""
     sizes: list[int] = []
     real = EMEngine._forward
 
-    def spy(self, memory, ids, retrieve):
+    def spy(self, memory, ids, retrieve, answering=False):
         sizes.append(len(ids))
-        return real(self, memory, ids, retrieve)
+        if flags is not None:
+            flags.append(answering)
+        return real(self, memory, ids, retrieve, answering)
 
     monkeypatch.setattr(EMEngine, "_forward", spy)
     return sizes
@@ -117,3 +121,37 @@ def test_a_question_start_already_read_changes_nothing(monkeypatch):
 def test_a_non_boolean_setting_is_refused():
     with pytest.raises(ConfigError, match="read_question_alone must be True or False"):
         EMConfig(read_question_alone="yes")
+
+
+def test_attention_for_questions_scores_by_attention_only_the_answering_forwards(monkeypatch):
+    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
+    flags: list[bool] = []
+    forward_sizes(monkeypatch, engine, flags)
+    scored_in: list[int] = []  # the forward each attention-scoring call came from
+    real = LayerMemory._attention_mass
+
+    def spy(self, queries, memory, scaling):
+        scored_in.append(len(flags) - 1)
+        return real(self, queries, memory, scaling)
+
+    monkeypatch.setattr(LayerMemory, "_attention_mass", spy)
+    result = engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=3)
+    assert flags == [False] * 7 + [True] * result.output_tokens  # the question, then each generated token's
+    assert set(scored_in) == {i for i, answering in enumerate(flags) if answering}  # those, by attention; no other
+    flags.clear()
+    engine.generate(engine.tokenize(f"{DOCUMENT} {QUESTION}"), max_new_tokens=1)  # token ids: the last chunk
+    assert flags == [False] * 6 + [True]
+
+
+def test_a_memory_pool_asks_a_token_id_question_in_answering_forwards(monkeypatch):
+    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
+    flags: list[bool] = []
+    forward_sizes(monkeypatch, engine, flags)
+    pool = MemoryPool(engine, engine.config)
+    document = engine.tokenize(DOCUMENT)
+    pool.read(document)
+    assert not any(flags)
+    flags.clear()
+    pool.generate(document + engine.tokenize(QUESTION), max_new_tokens=1)
+    assert flags == [True]
+    pool.close()
