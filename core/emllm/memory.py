@@ -193,6 +193,8 @@ class LayerMemory:
         if memory.scoring_now == "attention":
             scores = self._attention_mass(queries, memory, scaling)                           # [e]
         else:
+            if self.keeps_key_copy:  # attention_for_questions: keep the copy current, so a question finds it filled
+                self._stored_keys(memory.store)
             mean_query = queries.float().mean(dim=1).reshape(-1)                              # [kv * d]
             if self.config.retrieval_pooling == "none":
                 return self.index.search(mean_query, candidates)[1].to("cpu")  # faiss top-k where the index uses it

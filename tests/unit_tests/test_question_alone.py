@@ -155,3 +155,17 @@ def test_a_memory_pool_asks_a_token_id_question_in_answering_forwards(monkeypatc
     pool.generate(document + engine.tokenize(QUESTION), max_new_tokens=1)
     assert flags == [True]
     pool.close()
+
+
+def test_attention_for_questions_keeps_the_key_copy_current_while_reading():
+    """So the first question pays only for its own scoring, not for copying every stored key at once."""
+    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
+    memory = engine.new_memory()
+    engine.read(memory, token_ids(300, seed=4))
+    assert memory.store.num_tokens > 0
+    for layer in memory.layers:  # filled up to the last retrieval, which ran before that forward's eviction
+        assert 0 < layer.key_copy_length <= memory.store.num_tokens
+        torch.testing.assert_close(layer.key_copy[:, :layer.key_copy_length],
+                                   memory.store.layer_keys(layer.layer_index, layer.device)[:, :layer.key_copy_length]
+                                   .float())
+    memory.close()
