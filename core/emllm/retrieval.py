@@ -7,7 +7,9 @@ score(event) = dot(query, representative) is the head-summed attention logit of 
 important key: the k-NN approximation of softmax attention the paper argues for (appendix E).
 
 With retrieval_scoring="attention" events are instead ranked by the attention the chunk's queries would give their
-tokens (attention_mass_per_event): exact, but every stored key of the layer is read at each retrieval.
+tokens (attention_mass_per_event): exact, but every stored key of the layer is read at each retrieval. With
+"attention_for_questions" only the forwards that answer (a prompt's question, generated tokens) are ranked so; the
+document is read with the representatives.
 
 Similarity buffer: the best-scoring events, in score order, until its token budget is used.
 Contiguity buffer: a queue of the +-n neighbours of retrieved events; newest in, oldest out once its token budget
