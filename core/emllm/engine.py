@@ -244,7 +244,7 @@ class EMEngine:
         if char == 0:
             return None
         tail = self.tokenizer(text[char:], add_special_tokens=False)["input_ids"]
-        start = len(ids) - _common_prefix(ids[len(ids) - len(tail):][::-1], tail[::-1])
+        start = len(ids) - _common_prefix(ids[max(0, len(ids) - len(tail)):][::-1], tail[::-1])
         return start if 0 < start < len(ids) else None
 
     def count_tokens(self, text: str) -> int:

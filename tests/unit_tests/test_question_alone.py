@@ -49,6 +49,17 @@ def test_a_texts_question_starts_after_its_last_blank_line():
     assert engine.encode_prompt(engine.tokenize(DOCUMENT)).question_start is None  # token ids carry no paragraphs
 
 
+def test_a_tail_longer_than_the_tokens_given_is_compared_from_their_start():
+    # _token_at compares the tail's tokens with the prompt's last ones. Given fewer tokens than the tail has (a
+    # tokenizer that splits the tail finer than the whole), the comparison must start at the first token, not
+    # wrap around to the end: here every token given is the tail's, so there is nothing before it to split off.
+    engine = tiny_engine("S")
+    text = f"{DOCUMENT}\n\n{QUESTION}"
+    tail = engine.tokenize(QUESTION)
+    assert len(tail) == 10 and engine._token_at(text, tail[-6:], len(DOCUMENT) + 2) is None
+    assert engine._token_at(text, engine.tokenize(text), len(DOCUMENT) + 2) == 100
+
+
 def test_a_chats_question_is_its_last_paragraph_or_its_last_message():
     engine = tiny_engine("S")  # no chat template: "role: content" lines
     one_message = engine.encode_prompt([{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTION}"}])
