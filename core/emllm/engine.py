@@ -270,6 +270,7 @@ class EMEngine:
         question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
                                                                       len(tokens))
         split = question if memory.config.read_question_alone else len(tokens)
+        memory.begin_answer()  # these tokens are a new prompt: its question must not inherit the last answer's ranking
         starts = [*range(0, split, chunk), *range(split, len(tokens), chunk)]
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:

@@ -71,6 +71,7 @@ class LayerMemory:
         self.ordered_keys = self.sink_keys     # memory_keys rotated at 0..m-1, for memory_positions="ordered"
         self._ordered_source = self.sink_keys  # the memory_keys tensor that ordered_keys was rotated from
         self.retrievals = 0
+        self.answer_mass: torch.Tensor | None = None  # [e] attention the answer's queries gave each event so far
         # Attention scoring with no memory budget keeps a float32 copy of this layer's stored keys (_stored_keys).
         self.keeps_key_copy = (config.retrieval_scoring != "representatives" and config.ram_budget_mb is None
                                and config.device_budget_mb is None)
@@ -192,6 +193,8 @@ class LayerMemory:
         retrieval_pooling="cumulative" by the scores pooled over this and the earlier layers of the same forward."""
         if memory.scoring_now == "attention":
             scores = self._attention_mass(queries, memory, scaling)                           # [e]
+            if memory.accumulating_answer:
+                scores = self._add_to_answer(scores)
         else:
             if self.keeps_key_copy:  # attention_for_questions: keep the copy current, so a question finds it filled
                 self._stored_keys(memory.store)
@@ -204,11 +207,21 @@ class LayerMemory:
         return torch.argsort(scores, descending=True)[:candidates].to("cpu")
 
     def _attention_mass(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> torch.Tensor:
-        """[e] the attention a strided sample of the queries gives each event's stored tokens."""
+        """[e] the attention a strided sample of the queries gives each event's stored tokens, summed over the
+        sampled rows (so that forwards of different lengths add up in proportion to their queries)."""
         rows = queries.shape[1]
         sample = queries[:, ::max(1, -(-rows // ATTENTION_SCORING_ROWS))]                     # [kv, <=256, d]
         keys = self._stored_keys(memory.store)          # [kv, n, d]: events cover every stored token
-        return attention_mass_per_event(sample, keys, memory.event_sizes, scaling)
+        return attention_mass_per_event(sample, keys, memory.event_sizes, scaling) * sample.shape[1]
+
+    def _add_to_answer(self, mass: torch.Tensor) -> torch.Tensor:
+        """[e] this forward's attention mass plus what the answer's earlier forwards gave each event (the
+        question's among them). Events stored since then (evicted while answering) start from this forward's."""
+        total = mass.clone()
+        if self.answer_mass is not None:
+            total[:self.answer_mass.shape[0]] += self.answer_mass.to(total.device)
+        self.answer_mass = total
+        return total
 
     def _stored_keys(self, store: PageStore) -> torch.Tensor:
         """Every stored key of this layer, [kv, n, d]. Read from the store's pages, attention scoring would gather,
@@ -274,6 +287,7 @@ class EpisodicMemory:
         self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
         self.retrieve_now = True                                # set by begin_forward before each forward
         self.scoring_now = "representatives"                    # how this forward ranks events (begin_forward)
+        self.accumulating_answer = False  # attention_for_questions: ranking by the answer's queries so far
         self.score_pool: torch.Tensor | None = None             # [events] pooled standardised scores this forward
         # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
         # tokens whose predicting logits are at hand (the first of each forward) get one.
@@ -305,7 +319,15 @@ class EpisodicMemory:
         scoring = self.config.retrieval_scoring
         self.scoring_now = "attention" if scoring == "attention" or (
             scoring == "attention_for_questions" and answering) else "representatives"
+        self.accumulating_answer = scoring == "attention_for_questions" and answering
+        if not self.accumulating_answer:
+            self.begin_answer()
         self.score_pool = None
+
+    def begin_answer(self) -> None:
+        """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh."""
+        for layer in self.layers:
+            layer.answer_mass = None
 
     def pool_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """Add one layer's event scores [e], standardised, to this forward's pool and return the pool [e].

@@ -180,3 +180,59 @@ def test_attention_for_questions_keeps_the_key_copy_current_while_reading():
                                    memory.store.layer_keys(layer.layer_index, layer.device)[:, :layer.key_copy_length]
                                    .float())
     memory.close()
+
+
+def layer0_scoring(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Records layer 0's own attention mass at each attention-scored forward, and the accumulated mass it ranked
+    by when it accumulated (attention_for_questions' answering forwards)."""
+    own: list[torch.Tensor] = []
+    ranked_by: list[torch.Tensor] = []
+    real_mass, real_add = LayerMemory._attention_mass, LayerMemory._add_to_answer
+
+    def mass(self, queries, memory, scaling):
+        result = real_mass(self, queries, memory, scaling)
+        if self.layer_index == 0:
+            own.append(result.clone())
+        return result
+
+    def add(self, scores):
+        result = real_add(self, scores)
+        if self.layer_index == 0:
+            ranked_by.append(result.clone())
+        return result
+
+    monkeypatch.setattr(LayerMemory, "_attention_mass", mass)
+    monkeypatch.setattr(LayerMemory, "_add_to_answer", add)
+    return own, ranked_by
+
+
+def padded_sum(masses: list[torch.Tensor]) -> torch.Tensor:
+    total = torch.zeros(len(masses[-1]))
+    for mass in masses:  # events stored later have nothing from earlier forwards
+        total[:len(mass)] += mass
+    return total
+
+
+def test_attention_for_questions_ranks_by_all_of_the_answers_queries_so_far(monkeypatch):
+    """A generated token's query alone is a noisy guide to what the answer needs; each answering forward ranks by
+    the attention of the question's queries and of every answer token so far. A new prompt starts afresh."""
+    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
+    own, ranked_by = layer0_scoring(monkeypatch)
+    memory = engine.new_memory()
+    first = engine.generate(f"{DOCUMENT}\n\n{QUESTION}", memory=memory, max_new_tokens=4)
+    assert len(own) == len(ranked_by) == first.output_tokens == 4  # the question's forward, then 3 tokens' (the
+    for step in range(len(own)):                                    # last token is sampled, never read)
+        torch.testing.assert_close(ranked_by[step], padded_sum(own[:step + 1]))
+    assert ranked_by[-1][:len(own[0])].sum() > own[0].sum()  # the question's mass is still in the last ranking
+    own.clear(), ranked_by.clear()
+    follow_up = engine.tokenize(f"{DOCUMENT}\n\n{QUESTION}") + first.token_ids[:-1] + engine.tokenize(" t40 t41")
+    engine.generate(follow_up, memory=memory, max_new_tokens=2)  # all of it answering: token ids, one chunk
+    torch.testing.assert_close(ranked_by[0], own[0])  # the new prompt's question ranks afresh
+    memory.close()
+
+
+def test_attention_scoring_everywhere_ranks_each_forward_by_its_own_queries(monkeypatch):
+    engine = tiny_engine("S", retrieval_scoring="attention")
+    own, ranked_by = layer0_scoring(monkeypatch)
+    engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=3)
+    assert len(own) > 3 and ranked_by == []
