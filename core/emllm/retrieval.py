@@ -136,11 +136,14 @@ class ContiguityBuffer:
         return child
 
     def update(self, retrieved: list[int], sizes: list[int] | torch.Tensor, num_events: int) -> list[int]:
-        """Enqueue the neighbours of this step's retrieved events; return the queue minus those events."""
+        """Enqueue the neighbours of this step's retrieved events (best first); return the queue minus those
+        events. The worst-ranked go in first, so that over budget the neighbours of the best-ranked events stay: a
+        sentence cut by an event boundary (a number split in two) is continued where the question's best match is,
+        not where its hundredth is. Across steps the oldest step's neighbours leave first."""
         if self.budget <= 0:
             return []
         chosen = set(retrieved)
-        for event in retrieved:
+        for event in reversed(retrieved):
             for offset in range(1, self.neighbours + 1):
                 for neighbour in (event - offset, event + offset):
                     if 0 <= neighbour < num_events and neighbour not in chosen:

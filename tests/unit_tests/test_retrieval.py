@@ -174,6 +174,12 @@ def test_contiguity_evicts_oldest_first_over_budget():
     assert buffer.update([5], sizes, 10) == [2, 4, 6]  # 40 > 30 tokens: 0 (oldest) leaves
 
 
+def test_contiguity_over_budget_keeps_the_best_ranked_events_neighbours():
+    # retrieved best first: 7 is the best match, 1 the worst; room for two neighbours
+    buffer = ContiguityBuffer(budget=20, neighbours=1)
+    assert sorted(buffer.update([7, 4, 1], [10] * 10, 10)) == [6, 8]
+
+
 def test_contiguity_reenqueued_id_is_refreshed():
     buffer = ContiguityBuffer(budget=40, neighbours=1)
     sizes = [10] * 10
