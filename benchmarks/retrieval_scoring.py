@@ -32,8 +32,8 @@ question. Writes benchmarks/results/retrieval_scoring_multidoc_<model>_<tokens>.
 
 reads each context, pins the answering sentence (EpisodicMemory.pin: every layer holds it at every later
 retrieval), then reads the question: a miss is then the model's reading, not retrieval's. ``--n-local`` and
-``--n-mem`` change the layout; each such option adds to the output file's name (``_nlocal512``, ``_pinned``,
-``_question_in_last_chunk``).
+``--n-mem`` change the layout; each such option, and a preset other than S, adds to the output file's name
+(``_sc``, ``_nlocal512``, ``_pinned``, ``_question_in_last_chunk``).
 """
 
 from __future__ import annotations
@@ -228,6 +228,7 @@ def main() -> None:
                                       f"_needle_{args.model or 'smollm2'}_{args.tokens}")
     else:
         name = f"retrieval_scoring_multidoc_{args.model or 'smollm2'}_{args.tokens}"
+    name += "" if args.preset == "S" else f"_{args.preset.replace('+', '').lower()}"
     name += "".join(f"_{key.replace('_', '')}{value}" for key, value in fields.items())
     name += "_pinned" if args.pin_answer else ""
     name += "_question_in_last_chunk" if args.question_in_last_chunk else ""

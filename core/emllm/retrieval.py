@@ -8,12 +8,13 @@ important key: the k-NN approximation of softmax attention the paper argues for 
 
 With retrieval_scoring="attention" events are instead ranked by the attention the chunk's queries would give their
 tokens (attention_mass_per_event): exact, but every stored key of the layer is read at each retrieval. With
-"attention_for_questions" only the forwards that answer (a prompt's question, generated tokens) are ranked so; the
-document is read with the representatives.
+"attention_for_questions" only the forwards that answer (a prompt's question, generated tokens) are ranked so, each
+by the attention of all the answer's queries so far; the document is read with the representatives.
 
 Similarity buffer: the best-scoring events, in score order, until its token budget is used.
 Contiguity buffer: a queue of the +-n neighbours of retrieved events; newest in, oldest out once its token budget
-is exceeded. Events are returned in input order so retrieved text keeps its original sequence.
+is exceeded, a retrieval's best-ranked events' neighbours entering last. Events are returned in input order so
+retrieved text keeps its original sequence.
 """
 
 from __future__ import annotations
