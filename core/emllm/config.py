@@ -78,7 +78,8 @@ class EMConfig:
     queries so far give them, the question's included, not by its own token's alone: one generated token's query
     is a noisy guide (at 128K the token before the number dropped the needle from 23 to 15 of 30 layers).
     Measured, 32K essay needles with retrieval_pooling="cumulative" and n_local 512: 3/3 as with "attention",
-    reading 64 s per document instead of 147-171 s."""
+    reading 64 s per document instead of 147-171 s; with preset S+C also 3/3 at 64K and 128K (benchmarks/README.md,
+    "Why the 128K needles stopped after one digit")."""
     retrieval_pooling: RetrievalPooling = "none"
     """Whose scores rank events for a layer. "none", as in the paper: each layer ranks by its own queries.
     "cumulative": each layer ranks by the sum of its own and every earlier layer's scores for the same input

@@ -127,16 +127,17 @@ def test_device_map_auto_loads_and_runs():
 
 
 def test_the_readme_needle_recipe_answers_an_evicted_essay_needle(smol_fp32):
-    """README's recipe for one fact deep in prose (a 512-token window, the representatives while reading and
-    attention scoring pooled over layers for the question, the prompt in one call, its question read in forwards
-    of its own): at 8K the needle leaves the window and most layers retrieve it for the question, and the model
-    copies the number (ranked by the representatives, pooled too, 27 layers held an event overlapping the needle
-    and the answer was "100.": measured by hand).
-    float32, so the counts do not depend on the CPU's bf16 support (measured here: 23 of 30 layers;
+    """README's recipe for one fact deep in prose (S+C, a 512-token window, the representatives while reading and
+    attention scoring pooled over layers for the question and answer, the prompt in one call, its question read in
+    forwards of its own): at 8K the needle leaves the window and most layers retrieve it for the question, and the
+    model copies the number (ranked by the representatives, pooled too, preset S, 27 layers held an event
+    overlapping the needle and the answer was "100.": measured by hand).
+    float32, so the counts do not depend on the CPU's bf16 support (measured here with preset S: 23 of 30 layers;
     benchmarks/README.md has 32K to 128K)."""
     from emllm_integrations.prompts import probe_suffix
 
-    engine = EMEngine(*smol_fp32, EMConfig.from_preset("S", n_local=512, retrieval_scoring="attention_for_questions",
+    engine = EMEngine(*smol_fp32, EMConfig.from_preset("S+C", n_local=512,
+                                                       retrieval_scoring="attention_for_questions",
                                                        retrieval_pooling="cumulative"))
     doc = needle_document(8000, 0.3, engine.count_tokens, seed=7)
     span = (engine.count_tokens(doc.context[:doc.needle_offset]),
