@@ -320,12 +320,11 @@ class EpisodicMemory:
         self.scoring_now = "attention" if scoring == "attention" or (
             scoring == "attention_for_questions" and answering) else "representatives"
         self.accumulating_answer = scoring == "attention_for_questions" and answering
-        if not self.accumulating_answer:
-            self.begin_answer()
         self.score_pool = None
 
     def begin_answer(self) -> None:
-        """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh."""
+        """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh. Called by
+        EMEngine.read, the one path every prompt is read by; forwards that do not answer never add to the mass."""
         for layer in self.layers:
             layer.answer_mass = None
 
