@@ -1,16 +1,17 @@
-"""What the memory holds at each token of an answer: the bench's needle documents, traced token by token.
+"""What the memory holds at each token of an answer: the bench's needle (or kv) documents, traced token by token.
 
     python benchmarks/answer_trace.py                         # 128K tokens, depths 0.5 and 0.9, the needle recipe
     python benchmarks/answer_trace.py --tokens 8192 --depths 0.5 --preset S
+    python benchmarks/answer_trace.py --task kv --model qwen --tokens 32768 --depths 0.1 0.5 0.9 --max-new-tokens 30
 
-Reads `emllm bench`'s needle documents (same seed, prompts and layout options as `emllm bench --tasks needle`),
-shows the stored events that hold the needle sentence (where event boundaries cut it), then asks the question and,
-for every generated token, prints how many of the model's layers hold each of those events in attention when the
-token is chosen, and the model's most likely next tokens. ``--hold`` asks a second time from a fork that keeps the
-question's retrieval for the whole answer (decode_retrieve_every larger than the answer). A needle answered by its
-first digits and a stop shows up here as the event holding the number's end missing from most layers.
-Writes benchmarks/results/answer_trace_<tokens>_<preset>.md.
-"""
+Reads `emllm bench`'s needle documents (same seed, prompts and layout options as `emllm bench --tasks needle`), or
+with ``--task kv`` its key-value object (read once, asked at every depth from a fork), shows the stored events that
+hold the needle sentence or the asked value (where event boundaries cut it), then asks the question and, for every
+generated token, prints how many of the model's layers hold each of those events in attention when the token is
+chosen, and the model's most likely next tokens. ``--hold`` asks a second time from a fork that keeps the question's
+retrieval for the whole answer (decode_retrieve_every larger than the answer). A needle answered by its first digits
+and a stop shows up here as the event holding the number's end missing from most layers.
+Writes benchmarks/results/answer_trace[_kv][_<model>]_<tokens>_<preset>.md."""
 
 from __future__ import annotations
 
@@ -22,49 +23,62 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def trace(tokens: int, depths: list[float], preset: str, hold: bool, max_new_tokens: int, **fields) -> list[str]:
+def trace(tokens: int, depths: list[float], preset: str, hold: bool, max_new_tokens: int, task: str = "needle",
+          model: str | None = None, **fields) -> list[str]:
     from emllm import EMEngine
-    from emllm.tasks import needle_document
-    from emllm_integrations.bench import _seed
-    from emllm_integrations.prompts import format_context, probe_suffix
+    from emllm_integrations.prompts import probe_suffix
 
-    engine = EMEngine.from_pretrained(preset=preset, **fields)
-    docs = [needle_document(tokens, depth, engine.count_tokens, seed=_seed(0, "needle", tokens, depth))
-            for depth in depths]
-    texts = [format_context([doc.context]) for doc in docs]
-    contexts = [engine.tokenize(text) for text in texts]
+    engine = EMEngine.from_pretrained(model, preset=preset, **fields)
+    documents = _documents(task, tokens, depths, engine.count_tokens)
+    contexts = [engine.tokenize(text) for text, _ in documents]
     lines = []
-    for (memory, read_seconds), doc, text, context in zip(engine.read_each(contexts), docs, texts,
-                                                          contexts):
-        start = text.index(doc.needle)
-        first, last = engine.count_tokens(text[:start]), engine.count_tokens(text[:start + len(doc.needle)])
-        events = memory.events_overlapping(first, last)
-        starts = memory.event_boundaries()
-        lines += [f"## depth {doc.depth}: needle tokens {first}-{last} of {len(context):,}, answer {doc.answer}, "
-                  f"read {read_seconds:.0f} s", ""]
-        for event in events:
-            begin, end = int(starts[event]), int(starts[event] + memory.event_sizes[event])
-            lines.append(f"- event {event}, tokens {begin}-{end}: {engine.tokenizer.decode(context[begin:end])!r}")
-        prompt = context + engine.tokenize(probe_suffix(doc.question, doc.answer_lead))
-        for held in (False, True) if hold else (False,):
-            asking = memory.fork()
-            if held:  # read only by the generation loop: the question's retrieval serves every answer token
-                asking.config = asking.config.replace(decode_retrieve_every=max_new_tokens + 1)
-            lines += ["", f"{'question retrieval held' if held else 'retrieval at every token'}:", "",
-                      "| answer so far | layers holding each needle event | most likely next tokens |",
-                      "|---|---|---|"]
-            answer, started = "", time.perf_counter()
-            for delta in engine.stream(prompt, memory=asking, max_new_tokens=max_new_tokens):
-                holding = [sum(1 for layer in asking.layers if event in layer.retrieved_ids) for event in events]
-                lines.append(f"| {answer!r} | {holding} | {_top(engine, asking.last_logits)} |")
-                answer += delta
-            lines += ["", f"answer {answer.strip()!r} ({'right' if doc.answer in answer else 'wrong'}), "
-                          f"{time.perf_counter() - started:.1f} s"]
-            asking.close()
+    for (memory, read_seconds), (text, questions), context in zip(engine.read_each(contexts), documents, contexts):
+        for depth, needle, question, lead, expected in questions:
+            start = text.index(needle)
+            first, last = engine.count_tokens(text[:start]), engine.count_tokens(text[:start + len(needle)])
+            events = memory.events_overlapping(first, last)
+            starts = memory.event_boundaries()
+            lines += [f"## depth {depth}: needle tokens {first}-{last} of {len(context):,}, answer {expected}, "
+                      f"read {read_seconds:.0f} s", ""]
+            for event in events:
+                begin, end = int(starts[event]), int(starts[event] + memory.event_sizes[event])
+                lines.append(f"- event {event}, tokens {begin}-{end}: {engine.tokenizer.decode(context[begin:end])!r}")
+            prompt = context + engine.tokenize(probe_suffix(question, lead))
+            for held in (False, True) if hold else (False,):
+                asking = memory.fork()
+                if held:  # read only by the generation loop: the question's retrieval serves every answer token
+                    asking.config = asking.config.replace(decode_retrieve_every=max_new_tokens + 1)
+                lines += ["", f"{'question retrieval held' if held else 'retrieval at every token'}:", "",
+                          "| answer so far | layers holding each needle event | most likely next tokens |",
+                          "|---|---|---|"]
+                answer, started = "", time.perf_counter()
+                for delta in engine.stream(prompt, memory=asking, max_new_tokens=max_new_tokens):
+                    holding = [sum(1 for layer in asking.layers if event in layer.retrieved_ids) for event in events]
+                    lines.append(f"| {answer!r} | {holding} | {_top(engine, asking.last_logits)} |")
+                    answer += delta
+                lines += ["", f"answer {answer.strip()!r} ({'right' if expected in answer else 'wrong'}), "
+                              f"{time.perf_counter() - started:.1f} s"]
+                asking.close()
+            lines.append("")
+            print("\n".join(lines[-12:]), flush=True)
         memory.close()
-        lines.append("")
-        print("\n".join(lines[-12:]), flush=True)
     return lines
+
+
+def _documents(task: str, tokens: int, depths: list[float], count_tokens) -> list[tuple[str, list[tuple]]]:
+    """The bench's documents for the task, each as (context text, [(depth, needle text, question, answer lead,
+    answer)]): a needle haystack per depth, or kv's one JSON object asked at every depth (the needle is the value)."""
+    from emllm.tasks import needle_document
+    from emllm_integrations.bench import BenchSettings, _items, _seed
+    from emllm_integrations.prompts import format_context
+
+    if task == "kv":
+        (item,) = _items("kv", tokens, BenchSettings(("kv",), tuple(depths)), count_tokens)
+        return [(format_context(list(item.documents)),
+                 [(depth, answer, question, lead, answer) for question, answer, depth, lead in item.questions])]
+    docs = [needle_document(tokens, depth, count_tokens, seed=_seed(0, "needle", tokens, depth)) for depth in depths]
+    return [(format_context([doc.context]), [(doc.depth, doc.needle, doc.question, doc.answer_lead, doc.answer)])
+            for doc in docs]
 
 
 def _top(engine, logits, k: int = 4) -> str:
@@ -77,6 +91,8 @@ def _top(engine, logits, k: int = 4) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=["needle", "kv"], default="needle")
+    parser.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
     parser.add_argument("--tokens", type=int, default=131_072)
     parser.add_argument("--depths", nargs="+", type=float, default=[0.5, 0.9])
     parser.add_argument("--preset", default="S+C")
@@ -87,11 +103,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=10)
     parser.add_argument("--hold", action="store_true", help="also answer with the question's retrieval held")
     args = parser.parse_args()
-    lines = trace(args.tokens, args.depths, args.preset, args.hold, args.max_new_tokens, n_local=args.n_local,
-                  retrieval_scoring=args.retrieval_scoring, retrieval_pooling=args.retrieval_pooling,
-                  dtype=args.dtype)
+    lines = trace(args.tokens, args.depths, args.preset, args.hold, args.max_new_tokens, args.task, args.model,
+                  n_local=args.n_local, retrieval_scoring=args.retrieval_scoring,
+                  retrieval_pooling=args.retrieval_pooling, dtype=args.dtype)
     RESULTS.mkdir(exist_ok=True)
-    name = f"answer_trace_{args.tokens}_{args.preset.replace('+', '')}.md"
+    task = "" if args.task == "needle" else f"_{args.task}"
+    model = f"_{args.model}" if args.model else ""
+    name = f"answer_trace{task}{model}_{args.tokens}_{args.preset.replace('+', '')}.md"
     command = " ".join(["python benchmarks/answer_trace.py", *sys.argv[1:]])
     header = f"`{command}` ({args.dtype}, {time.strftime('%Y-%m-%d')})"
     (RESULTS / name).write_text(header + "\n\n" + "\n".join(lines) + "\n")
