@@ -26,43 +26,50 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def trace(tokens: int, depths: list[float], preset: str, hold: bool, max_new_tokens: int, task: str = "needle",
           model: str | None = None, **fields) -> list[str]:
     from emllm import EMEngine
-    from emllm_integrations.prompts import probe_suffix
 
     engine = EMEngine.from_pretrained(model, preset=preset, **fields)
     documents = _documents(task, tokens, depths, engine.count_tokens)
     contexts = [engine.tokenize(text) for text, _ in documents]
     lines = []
     for (memory, read_seconds), (text, questions), context in zip(engine.read_each(contexts), documents, contexts):
-        for depth, needle, question, lead, expected in questions:
-            start = text.index(needle)
-            first, last = engine.count_tokens(text[:start]), engine.count_tokens(text[:start + len(needle)])
-            events = memory.events_overlapping(first, last)
-            starts = memory.event_boundaries()
-            lines += [f"## depth {depth}: needle tokens {first}-{last} of {len(context):,}, answer {expected}, "
-                      f"read {read_seconds:.0f} s", ""]
-            for event in events:
-                begin, end = int(starts[event]), int(starts[event] + memory.event_sizes[event])
-                lines.append(f"- event {event}, tokens {begin}-{end}: {engine.tokenizer.decode(context[begin:end])!r}")
-            prompt = context + engine.tokenize(probe_suffix(question, lead))
-            for held in (False, True) if hold else (False,):
-                asking = memory.fork()
-                if held:  # read only by the generation loop: the question's retrieval serves every answer token
-                    asking.config = asking.config.replace(decode_retrieve_every=max_new_tokens + 1)
-                lines += ["", f"{'question retrieval held' if held else 'retrieval at every token'}:", "",
-                          "| answer so far | layers holding each needle event | most likely next tokens |",
-                          "|---|---|---|"]
-                answer, started = "", time.perf_counter()
-                for delta in engine.stream(prompt, memory=asking, max_new_tokens=max_new_tokens):
-                    holding = [sum(1 for layer in asking.layers if event in layer.retrieved_ids) for event in events]
-                    lines.append(f"| {answer!r} | {holding} | {_top(engine, asking.last_logits)} |")
-                    answer += delta
-                lines += ["", f"answer {answer.strip()!r} ({'right' if expected in answer else 'wrong'}), "
-                              f"{time.perf_counter() - started:.1f} s"]
-                asking.close()
-            lines.append("")
+        for question in questions:
+            lines += _trace_question(engine, memory, text, context, read_seconds, question, hold, max_new_tokens)
             print("\n".join(lines[-12:]), flush=True)
         memory.close()
     return lines
+
+
+def _trace_question(engine, memory, text: str, context: list[int], read_seconds: float, question: tuple,
+                    hold: bool, max_new_tokens: int) -> list[str]:
+    """One question asked from forks of a read memory: the needle's events, then a row per generated token."""
+    from emllm_integrations.prompts import probe_suffix
+
+    depth, needle, asked, lead, expected = question
+    start = text.index(needle)
+    first, last = engine.count_tokens(text[:start]), engine.count_tokens(text[:start + len(needle)])
+    events = memory.events_overlapping(first, last)
+    starts = memory.event_boundaries()
+    lines = [f"## depth {depth}: needle tokens {first}-{last} of {len(context):,}, answer {expected}, "
+             f"read {read_seconds:.0f} s", ""]
+    for event in events:
+        begin, end = int(starts[event]), int(starts[event] + memory.event_sizes[event])
+        lines.append(f"- event {event}, tokens {begin}-{end}: {engine.tokenizer.decode(context[begin:end])!r}")
+    prompt = context + engine.tokenize(probe_suffix(asked, lead))
+    for held in (False, True) if hold else (False,):
+        asking = memory.fork()
+        if held:  # read only by the generation loop: the question's retrieval serves every answer token
+            asking.config = asking.config.replace(decode_retrieve_every=max_new_tokens + 1)
+        lines += ["", f"{'question retrieval held' if held else 'retrieval at every token'}:", "",
+                  "| answer so far | layers holding each needle event | most likely next tokens |", "|---|---|---|"]
+        answer, started = "", time.perf_counter()
+        for delta in engine.stream(prompt, memory=asking, max_new_tokens=max_new_tokens):
+            holding = [sum(1 for layer in asking.layers if event in layer.retrieved_ids) for event in events]
+            lines.append(f"| {answer!r} | {holding} | {_top(engine, asking.last_logits)} |")
+            answer += delta
+        lines += ["", f"answer {answer.strip()!r} ({'right' if expected in answer else 'wrong'}), "
+                      f"{time.perf_counter() - started:.1f} s"]
+        asking.close()
+    return lines + [""]
 
 
 def _documents(task: str, tokens: int, depths: list[float], count_tokens) -> list[tuple[str, list[tuple]]]:

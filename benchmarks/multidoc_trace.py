@@ -45,6 +45,7 @@ def trace(model: str, tokens: int, depths: list[float], preset: str, consensus: 
     lines = [f"{len(numbers)} documents, {len(context_ids):,} tokens, {stats['events']:,} events, read "
              f"{time.perf_counter() - started:.0f} s; local window from token {window_start:,}", ""]
     full = engine.config.replace(attention="full")
+    starts = memory.event_boundaries()
     for question in probes.questions:
         asking = memory.fork()
         engine.read_prompt(asking, question.ids, len(context_ids))
@@ -68,8 +69,8 @@ def trace(model: str, tokens: int, depths: list[float], preset: str, consensus: 
             # the context's events (the question's reading evicted a few more: they are in the window part below)
             events = sorted(e for e, count in layers_per_event.items() if count >= k and e < memory.num_events)
             ids = list(context_ids[:sinks])
-            for start, end in (_event_span(memory, e) for e in events):
-                ids += context_ids[start:end]
+            for event in events:
+                ids += context_ids[int(starts[event]):int(starts[event] + memory.event_sizes[event])]
             ids += question.ids[window_start:]  # the local window, then the question and its answer lead-in
             control = engine.new_memory(full)
             text = engine.generate(ids, memory=control, max_new_tokens=8).text.strip()
@@ -96,11 +97,6 @@ def _layers_per_event(memory) -> dict[int, int]:
         for event in layer.retrieved_ids:
             counts[event] = counts.get(event, 0) + 1
     return counts
-
-
-def _event_span(memory, event: int) -> tuple[int, int]:
-    start = int(memory.event_boundaries()[event])
-    return start, start + int(memory.event_sizes[event])
 
 
 def _fact_name(numbers, number: str) -> str:
