@@ -25,8 +25,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_scoring import _multidoc_probes  # noqa: E402  (the bench's multidoc item, as its probes read it)
 
+from emllm.tasks import MULTIDOC_FACT  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-FACT = re.compile(r"The registration number of the (.+?) is (\d{6})\.")  # emllm.tasks.MULTIDOC_FACT
+# emllm.tasks.MULTIDOC_FACT with its organisation and 6-digit number captured
+FACT = re.compile(re.escape(MULTIDOC_FACT).replace(r"\{entity\}", "(.+?)").replace(r"\{answer\}", r"(\d{6})"))
 
 
 def trace(model: str, tokens: int, depths: list[float], preset: str, consensus: list[int],
@@ -45,14 +48,12 @@ def trace(model: str, tokens: int, depths: list[float], preset: str, consensus: 
     lines = [f"{len(numbers)} documents, {len(context_ids):,} tokens, {stats['events']:,} events, read "
              f"{time.perf_counter() - started:.0f} s; local window from token {window_start:,}", ""]
     full = engine.config.replace(attention="full")
-    starts = memory.event_boundaries()
     for question in probes.questions:
         asking = memory.fork()
         engine.read_prompt(asking, question.ids, len(context_ids))
-        layers_per_event = _layers_per_event(asking)
-        held = sorted(((max((layers_per_event.get(e, 0) for e in asking.events_overlapping(*span)), default=-1),
-                        document, entity, number) for document, (entity, number, span) in enumerate(numbers)),
-                      reverse=True)
+        retrieved = asking.retrieved_events()  # spans in input order, with the layers holding each
+        held = sorted(((-1 if span[0] >= window_start else asking.layers_holding(*span), document, entity, number)
+                       for document, (entity, number, span) in enumerate(numbers)), reverse=True)
         answer = engine.generate(question.ids, memory=asking, max_new_tokens=8).text.strip()
         asking.close()
         half = len(memory.layers) // 2
@@ -67,10 +68,10 @@ def trace(model: str, tokens: int, depths: list[float], preset: str, consensus: 
                   "|---|---:|---:|---:|---|"]
         for k in consensus:
             # the context's events (the question's reading evicted a few more: they are in the window part below)
-            events = sorted(e for e, count in layers_per_event.items() if count >= k and e < memory.num_events)
+            events = [e for e in retrieved if e.layers >= k and e.start < window_start]
             ids = list(context_ids[:sinks])
             for event in events:
-                ids += context_ids[int(starts[event]):int(starts[event] + memory.event_sizes[event])]
+                ids += context_ids[event.start:event.end]
             ids += question.ids[window_start:]  # the local window, then the question and its answer lead-in
             control = engine.new_memory(full)
             text = engine.generate(ids, memory=control, max_new_tokens=8).text.strip()
@@ -89,14 +90,6 @@ def _number_spans(engine, context: str) -> list[tuple[str, str, tuple[int, int]]
     return [(m.group(1), m.group(2), (engine.count_tokens(context[:m.start(2)]),
                                       engine.count_tokens(context[:m.end(2)])))
             for m in FACT.finditer(context)]
-
-
-def _layers_per_event(memory) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for layer in memory.layers:
-        for event in layer.retrieved_ids:
-            counts[event] = counts.get(event, 0) + 1
-    return counts
 
 
 def _fact_name(numbers, number: str) -> str:
