@@ -198,21 +198,11 @@ def _uniform(layers: list, name: str) -> int:
     return values.pop()
 
 
-def _read_page(store: PageStore, page_id: int) -> torch.Tensor:
-    """A page from whichever tier holds it, without promoting it (saving must not reshuffle or write the store)."""
-    if store._tail is not None and page_id == store.num_tokens // store.page_tokens:
-        return store._tail
-    for tier in store.tiers:
-        if page_id in tier.pages:
-            return tier.pages[page_id]
-    return store._read_disk(page_id)
-
-
 def _kv_chunks(store: PageStore, pages: int) -> Iterator[memoryview]:
     """The KV file's bytes: a safetensors header, then each page in order (one page in RAM at a time)."""
     yield memoryview(_safetensors_header("pages", store.dtype, [pages, *store.page_shape], pages * store.page_bytes))
     for page_id in range(pages):
-        page = _read_page(store, page_id).detach().to("cpu")
+        page = store.read_page(page_id).detach().to("cpu")
         fill = min(store.page_tokens, store.num_tokens - page_id * store.page_tokens)
         if fill < store.page_tokens:  # the tail: its unused rows are uninitialised memory, write zeros instead
             padded = torch.zeros(store.page_shape, dtype=store.dtype)

@@ -7,9 +7,10 @@ lives in fixed-size pages of ``page_tokens`` tokens for all layers at once:
 
 Tokens are appended in order (events are contiguous spans of the input), so an event is just a token range and
 a layer's retrieval is one gather of token indices. A page is written once, then sealed. Each tier holds
-pages up to a byte budget; the least recently used page of a full tier moves one tier down. The disk tier is a
-memory-mapped ``.npy`` file per page (never a pickle) in a private folder removed when the store is closed,
-on garbage collection and at interpreter exit.
+pages up to a byte budget; the least recently used page of a full tier moves one tier down, and a page read from a
+lower memory tier moves back to the top. The disk tier is a ``.npy`` file per page (never a pickle) in
+a private folder removed when the store is closed, on garbage collection and at interpreter exit; a disk page stays
+there and a read takes only the bytes of the layer it needs (1/num_layers of the page).
 
 Because sealed pages never change, a store can be forked cheaply: the fork shares every sealed page (tensors and
 disk files) and copies only the page being filled. A disk folder lives while any store still refers to it.
@@ -17,6 +18,7 @@ disk files) and copies only the page being filled. A disk folder lives while any
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import os
@@ -24,6 +26,7 @@ import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +79,8 @@ class PageStore:
         self.disk = _Tier(None, budget(disk_budget_mb), OrderedDict())
         self._offload_root = offload_dir
         self._folder: _Folder | None = None          # where this store writes pages
-        self._disk_files: dict[int, tuple[_Folder, str]] = {}  # page id -> (folder kept alive, path)
+        # page id -> (folder kept alive, path, byte offset of the array's data after the .npy header)
+        self._disk_files: dict[int, tuple[_Folder, str, int]] = {}
         self.num_tokens = 0
         self._tail: torch.Tensor | None = None  # the page being filled: outside the tiers until sealed
         self.closed = False
@@ -103,7 +107,11 @@ class PageStore:
     def gather(self, layer: int, token_index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given evicted tokens for one layer: two [num_kv_heads, n, head_dim] tensors.
 
-        token_index is sorted (events are placed in input order); the result keeps that order.
+        token_index is sorted (events are placed in input order); the result keeps that order. A page in memory is
+        promoted to the top tier (LRU); a page on disk stays there and only the asked tokens' bytes of this layer
+        are read from its file: a page holds every layer and each layer retrieves its own events, so bringing whole
+        pages up would read num_layers times the bytes and push recent pages out of RAM at every layer's gather.
+        The operating system's file cache keeps the disk pages that are read often.
         """
         self._check_open()
         token_index = token_index.to("cpu")
@@ -114,8 +122,10 @@ class PageStore:
         for page_id, count in zip(pages.tolist(), counts.tolist()):
             rows = token_index[start:start + count] - page_id * self.page_tokens
             start += count
-            page = self._fetch(page_id)
-            parts.append(page[layer].index_select(1, rows.to(page.device)).to(device, non_blocking=True))
+            page = self._in_memory(page_id)
+            kv = (self._read_disk_rows(page_id, layer, rows) if page is None                 # [2, count, kv, d]
+                  else page[layer].index_select(1, rows.to(page.device)))
+            parts.append(kv.to(device, non_blocking=True))
         kv = torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]  # [2, n, kv_heads, head_dim]
         kv = kv.transpose(1, 2)  # [2, kv_heads, n, head_dim]
         return kv[0], kv[1]
@@ -129,29 +139,42 @@ class PageStore:
             raise ValueError(f"start must be in [0, {self.num_tokens}] (tokens stored), got {start}.")
         pages = -(-self.num_tokens // self.page_tokens)
         first = start // self.page_tokens
-        parts = [self._fetch(page_id)[layer, 0, max(0, start - page_id * self.page_tokens):self._page_fill(page_id)]
-                 .to(device, non_blocking=True) for page_id in range(first, pages)]  # each [fill, kv, d]
+        parts = [self._layer_keys_of_page(page_id, layer)[max(0, start - page_id * self.page_tokens):
+                                                           self._page_fill(page_id)].to(device, non_blocking=True)
+                 for page_id in range(first, pages)]                                      # each [fill, kv, d]
         if not parts:
             _, _, _, kv, d = self.page_shape
             return torch.empty(kv, 0, d, dtype=self.dtype, device=device)
         keys = torch.cat(parts) if len(parts) != 1 else parts[0]                       # [num_tokens - start, kv, d]
         return keys.transpose(0, 1)
 
-    def _fetch(self, page_id: int) -> torch.Tensor:
-        """The page, promoted to the top tier (least recently used pages move down to make room)."""
+    def read_page(self, page_id: int) -> torch.Tensor:
+        """A whole page from whichever tier holds it, moving nothing (saving must not reshuffle or write the
+        store)."""
+        page = self._in_memory(page_id, promote=False)
+        return self._read_disk(page_id) if page is None else page
+
+    def _layer_keys_of_page(self, page_id: int, layer: int) -> torch.Tensor:
+        """[page_tokens, kv_heads, head_dim]: from memory (promoted, as in gather) or from the page's file."""
+        page = self._in_memory(page_id)
+        return self._read_disk(page_id, (layer, 0)) if page is None else page[layer, 0]
+
+    def _in_memory(self, page_id: int, promote: bool = True) -> torch.Tensor | None:
+        """The page if it is being filled or a memory tier holds it, else None (it is on disk). With ``promote``
+        a page found in a lower memory tier moves to the top one (least recently used pages move down)."""
         if self._tail is not None and page_id == self.num_tokens // self.page_tokens:
             return self._tail
         for level, tier in enumerate(self.tiers):
             if page_id in tier.pages:
+                if not promote:
+                    return tier.pages[page_id]
                 if level == 0:
                     tier.pages.move_to_end(page_id)
                     return tier.pages[page_id]
                 page = self._pop(level, page_id).to(self.tiers[0].device)
                 self._put(0, page_id, page, strict=False)
                 return page
-        page = self._read_disk(page_id).to(self.tiers[0].device)
-        self._put(0, page_id, page, strict=False)
-        return page
+        return None
 
     # ------------------------------------------------------------------ tiers
     def _put(self, level: int, page_id: int, page: torch.Tensor, strict: bool = True) -> None:
@@ -207,6 +230,7 @@ class PageStore:
             array = np.ascontiguousarray(page.detach().to("cpu").view(torch_view).numpy())
             with open(tmp, "wb") as handle:
                 np.lib.format.write_array_header_1_0(handle, np.lib.format.header_data_from_array_1_0(array))
+                data_offset = handle.tell()
                 handle.write(memoryview(array).cast("B"))  # plain write(): keeps errno (numpy's tofile does not)
                 handle.flush()
                 os.fsync(handle.fileno())
@@ -220,7 +244,7 @@ class PageStore:
                 f"({error.strerror}; {free / 2**20:.1f} MB free there). Free disk space, point offload_dir at a "
                 "larger disk, or raise ram_budget_mb.") from error
         self.disk.pages[page_id] = torch.empty(0)  # a marker; the data is on disk
-        self._disk_files[page_id] = (folder, path)
+        self._disk_files[page_id] = (folder, path, data_offset)
 
     def check_disk_budget(self, disk_pages: int) -> None:
         """Refuse, before anything is written, a state with ``disk_pages`` pages on disk over disk_budget_mb."""
@@ -235,9 +259,47 @@ class PageStore:
         fit = sum(t.budget_bytes for t in self.tiers) / self.page_bytes
         return 0 if fit == float("inf") else max(0, sealed_pages - int(fit))
 
-    def _read_disk(self, page_id: int) -> torch.Tensor:
-        array = np.load(self._disk_files[page_id][1], mmap_mode="r")
-        return torch.from_numpy(np.array(array)).view(self.dtype)
+    def _read_disk(self, page_id: int, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """page[index] from the page's file: a leading index of a C-ordered page is one contiguous byte range."""
+        shape = self.page_shape[len(index):]
+        first = 0
+        for i, size in zip(index, self.page_shape):  # the range's start, in units of the indexed block
+            first = first * size + i
+        out = torch.empty(shape, dtype=self.dtype)
+        raw = _bytes_of(out)
+        with self._page_file(page_id) as (fd, data_offset):
+            _pread_into(fd, raw, data_offset + first * raw.nbytes)
+        return out
+
+    def _read_disk_rows(self, page_id: int, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """page[layer][:, rows] from the page's file, [2, len(rows), kv_heads, head_dim]: one read per run of
+        consecutive rows (a retrieved event is one run), keys and values apart, so only the retrieved tokens'
+        bytes are read, not the page's other layers and tokens."""
+        _, _, tokens, kv_heads, head_dim = self.page_shape
+        n = len(rows)
+        out = torch.empty(2, n, kv_heads, head_dim, dtype=self.dtype)
+        raw, row_bytes = _bytes_of(out), kv_heads * head_dim * out.element_size()
+        begins = [0, *(torch.nonzero(rows[1:] - rows[:-1] != 1).flatten() + 1).tolist()]
+        runs = list(zip(begins, [*begins[1:], n], rows[begins].tolist()))  # (first, end) in out, first row in page
+        with self._page_file(page_id) as (fd, data_offset):
+            for kind in range(2):
+                block = data_offset + (layer * 2 + kind) * tokens * row_bytes
+                for begin, end, row in runs:
+                    _pread_into(fd, raw[(kind * n + begin) * row_bytes:(kind * n + end) * row_bytes],
+                                block + row * row_bytes)
+        return out
+
+    @contextlib.contextmanager
+    def _page_file(self, page_id: int) -> Iterator[tuple[int, int]]:
+        """(an open file descriptor of the page's file, where the array's data starts in it). Reads go straight into
+        tensors with pread: nothing is mapped or cached by us; the operating system's file cache keeps the pages
+        read often."""
+        _, path, data_offset = self._disk_files[page_id]
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            yield fd, data_offset
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ housekeeping
     def tier_tokens(self) -> dict[str, int]:
@@ -294,3 +356,20 @@ class PageStore:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("This episodic memory was closed; start a new one.")
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous tensor's memory as writable bytes."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> None:
+    """Fill buffer with the file's bytes from offset on. A regular file gives them in one read; a short read is
+    continued, and an early end of file (a page file truncated since it was written whole) is an error."""
+    done = 0
+    while done < buffer.nbytes:
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, f"A KV page file ended {buffer.nbytes - done} bytes early: it was written whole, "
+                          "so it was truncated since.")
+        done += got

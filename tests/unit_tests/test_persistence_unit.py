@@ -71,11 +71,11 @@ def memory_differences(a, b) -> list[str]:
 
 def store_tokens(store) -> torch.Tensor:
     """All evicted KV in token order, [layers, 2, tokens, kv, d], read page by page from whatever tier holds it
-    (without gather, which would promote pages and, on a small RAM budget, shuffle them through the disk)."""
+    (without gather, which would promote pages from lower memory tiers)."""
     pages = []
     for page_id in range(math.ceil(store.num_tokens / store.page_tokens)):
         fill = min(store.page_tokens, store.num_tokens - page_id * store.page_tokens)
-        pages.append(persistence._read_page(store, page_id)[:, :, :fill].to("cpu"))
+        pages.append(store.read_page(page_id)[:, :, :fill].to("cpu"))
     return torch.cat(pages, dim=2) if pages else torch.empty(0)
 
 

@@ -157,17 +157,38 @@ def test_lru_keeps_recent_pages_in_ram(tmp_path):
     assert page_ids(ram) == [3, 4]
     assert store.tier_tokens() == {"ram": 2 * PAGE + 3, "disk": 3 * PAGE}
 
-    check_gather(store, reference, torch.tensor([1]))       # page 0 comes back; page 3 is least recent
-    assert page_ids(ram) == [4, 0]
-    check_gather(store, reference, torch.tensor([33]))      # page 4 touched: now page 0 is least recent
-    assert page_ids(ram) == [0, 4]
-    check_gather(store, reference, torch.tensor([9, 10]))   # page 1 comes back, page 0 goes
-    assert page_ids(ram) == [4, 1]
+    check_gather(store, reference, torch.tensor([3 * PAGE + 1]))  # page 3 touched: page 4 is least recent
+    assert page_ids(ram) == [4, 3]
+    reference = torch.cat([reference, fill(store, [PAGE], seed=1)], dim=2)  # page 5 sealed: page 4 goes to disk
+    assert page_ids(ram) == [3, 5]
+    assert store.tier_tokens() == {"ram": 2 * PAGE + 3, "disk": 4 * PAGE}
+    check_gather(store, reference, torch.arange(6 * PAGE + 3))
     assert store.resident_bytes()["ram"] == 2 * page_bytes
+    store.close()
+
+
+def test_reading_a_disk_page_leaves_it_on_disk(tmp_path):
+    """A gather reads one layer's part of a disk page and moves nothing: bringing the page (every layer) up to
+    RAM would read num_layers times the bytes and push a recent page out."""
+    store = make_store(pages_in_ram=2.5, offload_dir=str(tmp_path))
+    reference = fill(store, [5 * PAGE + 3])
+    ram = store.tiers[-1]
+    check_gather(store, reference, torch.tensor([1, 2 * PAGE + 4]))  # pages 0 and 2, both on disk
+    for layer in range(LAYERS):
+        assert torch.equal(store.layer_keys(layer, torch.device("cpu")), reference[layer, 0].transpose(0, 1))
+    assert page_ids(ram) == [3, 4]
     assert store.tier_tokens() == {"ram": 2 * PAGE + 3, "disk": 3 * PAGE}
-    check_gather(store, reference, torch.arange(5 * PAGE + 3))
-    assert store.resident_bytes()["ram"] <= 2 * page_bytes
-    assert sum(store.tier_tokens().values()) == store.num_tokens
+    store.close()
+
+
+def test_a_truncated_page_file_is_an_error_not_garbage(tmp_path):
+    store = make_store(pages_in_ram=0, offload_dir=str(tmp_path))
+    reference = fill(store, [2 * PAGE])
+    path = Path(store.disk_dir) / "page-00000001.npy"
+    path.write_bytes(path.read_bytes()[:-16])  # the last token's values of the last layer are gone
+    check_gather(store, reference, torch.arange(PAGE))  # page 0 is whole
+    with pytest.raises(OSError, match="ended 16 bytes early"):
+        store.gather(LAYERS - 1, torch.tensor([2 * PAGE - 1]), torch.device("cpu"))
     store.close()
 
 
@@ -176,7 +197,7 @@ def test_sealed_pages_are_written_to_disk_once(tmp_path):
     reference = fill(store, [3 * PAGE])
     path = Path(store.disk_dir) / "page-00000000.npy"
     inode = path.stat().st_ino
-    for _ in range(3):  # page 0 goes back and forth between RAM and disk
+    for _ in range(3):  # reading page 0 (disk) and page 2 (RAM) again and again writes nothing
         check_gather(store, reference, torch.tensor([0]))
         check_gather(store, reference, torch.tensor([2 * PAGE]))
     assert path.stat().st_ino == inode
