@@ -66,7 +66,7 @@ def measure(pages: int, on_disk: bool, cold: bool, repeats: int, dtype: torch.dt
             store.append(torch.randn(LAYERS, 2, PAGE_TOKENS, KV_HEADS, HEAD_DIM, generator=generator).to(dtype))
         cpu = torch.device("cpu")
         gathers, key_reads = [], []
-        for _ in range(repeats):
+        for repeat in range(repeats):
             indices = retrieval_indices(store.num_tokens, generator)
             if cold:
                 drop_file_cache(store)
@@ -77,7 +77,7 @@ def measure(pages: int, on_disk: bool, cold: bool, repeats: int, dtype: torch.dt
             if cold:
                 drop_file_cache(store)
             started = time.perf_counter()
-            store.layer_keys(repeats % LAYERS, cpu)
+            store.layer_keys(repeat % LAYERS, cpu)  # a different layer each time: its own bytes on disk
             key_reads.append(time.perf_counter() - started)
         resident = store.resident_bytes()["ram"]
         store.close()
