@@ -1,7 +1,8 @@
-"""The attention function every layer calls: one softmax over [sinks | retrieved events | local window].
+"""Attention over [sinks | retrieved events | local window] as one softmax: pure tensor math over the KV it is given.
 
-It plugs into transformers through ``AttentionInterface`` (no model class is patched). The model's rotary module
-is given a forward hook that makes it return identity cos/sin, so layers hand us un-rotated queries and keys; we
+forward.layer_attention plugs into transformers through ``AttentionInterface`` (no model class is patched): it
+stores the chunk's KV, retrieves events per the forward's plan, and calls episodic_attention here. The model's
+rotary module is given a forward hook that makes it return identity cos/sin, so layers hand us un-rotated queries and keys; we
 rotate them ourselves with the model's own table (rope.py):
 
     local window   queries at their window position, keys at theirs   -> exact relative positions
@@ -18,8 +19,6 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from .memory import EpisodicMemory
-
 ATTENTION_NAME = "emllm"
 
 
@@ -28,73 +27,47 @@ SCORE_QUERIES = 64
 event representatives. All queries would double the cost of attention; a sample ranks the same heavy hitters."""
 
 
-def episodic_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                       emllm_memory: EpisodicMemory | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    if emllm_memory is None:
-        raise RuntimeError("This model's attention is managed by emllm: run it through EMEngine (which passes an "
-                           "episodic memory), or load a fresh copy of the model for plain use.")
-    if query.shape[0] != 1:
-        raise ValueError(f"emllm attention runs one sequence per memory (batch 1), got batch {query.shape[0]}; "
-                         "give each conversation its own EpisodicMemory.")
-    memory = emllm_memory
-    layer = memory.layers[module.layer_idx]
-    _, heads, q, d = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    scaling = d ** -0.5 if scaling is None else scaling
+def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor,
+                       q_memory: torch.Tensor | None, memory_keys: torch.Tensor, memory_values: torch.Tensor,
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over [memory part | local window], computed as fused pieces merged by their log-sum-exp.
 
-    layer.append(key[0], value[0])
-    window = layer.length
-    rope = layer.rope
-    rope.ensure(window)
-    q_local = rope.rotate(query, torch.arange(window - q, window, device=query.device))  # [1, heads, q, d]
-    keys, values = layer.window_keys()[None], layer.window_values()[None]                # [1, kv, window, d]
-    # One softmax over all parts, computed as fused pieces merged by their log-sum-exp:
-    #   the chunk itself (causal), the older window (fully visible), the memory part (fully visible).
-    # A single query (decoding) sees the whole window including itself: one unmasked part.
-    visible = window - q if q > 1 else window  # keys every query may see
+    q_local [1, heads, q, d]: the queries rotated at their window positions; window_keys/values [1, kv, window, d]
+    (the chunk's own keys last). q_memory [1, kv, groups * q, d]: the queries grouped by KV head and rotated for the
+    memory part (None: no memory part yet); memory_keys/values [1, kv, m, d]: sinks then retrieved events.
+    Returns the output [1, heads, q, d] and its log-sum-exp [1, heads, q] (float32).
+    """
+    _, heads, q, _ = q_local.shape
+    kv_heads = window_keys.shape[1]
+    groups = heads // kv_heads
+    # The chunk itself (causal), the older window (fully visible), the memory part (fully visible). A single
+    # query (decoding) sees the whole window including itself: one unmasked part.
+    visible = window_keys.shape[2] - q if q > 1 else window_keys.shape[2]
     parts = []
     if q > 1:
-        parts.append(_attend(q_local, _expand(keys[:, :, visible:], groups), _expand(values[:, :, visible:], groups),
-                             scaling, causal=True))
+        parts.append(_attend(q_local, _expand(window_keys[:, :, visible:], groups),
+                             _expand(window_values[:, :, visible:], groups), scaling, causal=True))
     if visible:
-        parts.append(_grouped(_attend(_group(q_local, kv_heads), keys[:, :, :visible], values[:, :, :visible],
-                                      scaling, causal=False), heads, q))
-    if memory.has_memory_part:
-        retrieving = memory.retrieve_now and layer.index.size
-        fixed = memory.config.memory_positions == "fixed"
-        # Retrieval ranks with the query at the fixed memory distance under either position rule.
-        q_fixed = _group(rope.rotate_at(query, memory.config.n_local), kv_heads) if fixed or retrieving else None
-        if retrieving:
-            layer.retrieve(q_fixed[0], memory, scaling)                                 # q_fixed [1, kv, g*q, d]
-        if fixed:
-            q_memory, memory_keys = q_fixed, layer.memory_keys
-        else:  # ordered: memory keys at 0..m-1, the window's queries right after them
-            m = layer.memory_keys.shape[1]
-            q_memory = _group(rope.rotate(query, torch.arange(m + window - q, m + window, device=query.device)),
-                              kv_heads)
-            memory_keys = layer.ordered_memory_keys()
-        parts.append(_grouped(_attend(q_memory, memory_keys[None], layer.memory_values[None], scaling,
-                                      causal=False), heads, q))
-    out, lse = _merge(parts)                                                            # [1, heads, q, d], [1, heads, q]
-    if memory.config.attention == "episodic":
-        _accumulate_scores(layer, q_local, keys, lse, scaling, kv_heads)
-    return out.transpose(1, 2), None  # [1, q, heads, d]
+        parts.append(_grouped(_attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
+                                      window_values[:, :, :visible], scaling, causal=False), heads, q))
+    if q_memory is not None:
+        parts.append(_grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False), heads, q))
+    return _merge(parts)
 
 
-def _accumulate_scores(layer, q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float,
-                       kv_heads: int) -> None:
-    """Add the attention probability each window key received from a strided sample of this step's queries."""
+def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
+    """[kv, window] the attention probability each window key received from a strided sample of the queries (the
+    last always among them), summed over the sample and the query heads sharing the key: what picks an event's
+    representative tokens. q_local [1, heads, q, d], keys [1, kv, window, d], lse [1, heads, q] from the attention."""
     _, heads, q, d = q_local.shape
-    window = keys.shape[2]
+    kv_heads, window = keys.shape[1], keys.shape[2]
     rows = torch.arange(q - 1, -1, -max(1, q // SCORE_QUERIES), device=q_local.device)  # always includes the last
     sample = q_local[:, :, rows]                                                          # [1, heads, s, d]
-    logits = torch.matmul(_group(sample, kv_heads)[0], keys[0].transpose(1, 2)).float() * scaling  # [kv, g*s, window]
+    logits = torch.matmul(group_heads(sample, kv_heads)[0], keys[0].transpose(1, 2)).float() * scaling  # [kv, g*s, window]
     logits = logits.view(kv_heads, heads // kv_heads, len(rows), window)
     probs = torch.exp(logits - lse[0].view(kv_heads, heads // kv_heads, q)[:, :, rows, None])
     visible = torch.arange(window, device=keys.device)[None, :] <= (window - q + rows)[:, None]  # [s, window]
-    layer.scores[:, :window] += (probs * visible).sum(dim=(1, 2))
+    return (probs * visible).sum(dim=(1, 2))
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -135,7 +108,7 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     return out.to(parts[0][0].dtype), lse
 
 
-def _group(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def group_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[1, heads, q, d] -> [1, kv_heads, groups * q, d]: each KV head with all query rows that use it (a view)."""
     return x.reshape(1, kv_heads, -1, x.shape[-1])
 
@@ -170,12 +143,13 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     return rotary
 
 
-def install(model: torch.nn.Module) -> torch.nn.Module:
-    """Route the model's attention through episodic_attention; returns its rotary module (for the tables).
+def install(model: torch.nn.Module, layer_attention) -> torch.nn.Module:
+    """Route the model's attention through ``layer_attention`` (forward.layer_attention, which transformers then
+    calls in place of each layer's attention); returns the model's rotary module (for the tables).
 
     Idempotent. After this, the model must be run with an ``emllm_memory=`` keyword (EMEngine does).
     """
-    AttentionInterface.register(ATTENTION_NAME, episodic_attention)
+    AttentionInterface.register(ATTENTION_NAME, layer_attention)
     rotary = find_rotary_module(model)
     if not getattr(rotary, "_emllm_identity", False):
         rotary.register_forward_hook(_identity_rotation)

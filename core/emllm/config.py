@@ -14,16 +14,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+from .scoring import Representatives, Scorer
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
 RetrievalBackend = Literal["auto", "torch", "faiss"]
-RetrievalScoring = Literal["representatives", "attention", "attention_for_questions"]
-RetrievalPooling = Literal["none", "cumulative"]
 MemoryPositions = Literal["fixed", "ordered"]
+
+DEFAULT_PRESET = "SM"
+"""The preset EMEngine.from_pretrained(), the adapters, compare and the command line use unless told otherwise."""
 
 
 class ConfigError(ValueError):
@@ -44,15 +47,17 @@ class EMConfig:
 
     # --- event segmentation ---
     segmentation: Segmentation = "surprise"
+    """Where events are cut: "surprise" (the paper, Eq. 1) or "fixed" every max_block_size tokens (InfLLM)."""
     refinement: Refinement = "none"
+    """Boundary refinement by graph "modularity" or "conductance" over key similarity (paper 3.3), or "none"."""
     gamma: float = 1.0
     """Threshold T = mean + gamma * std of the preceding ``surprise_window`` surprise values (Eq. 1)."""
     surprise_window: int = 512
     """tau: how many preceding surprise values set the moving threshold."""
     min_block_size: int = 8
+    """The shortest event, in tokens."""
     max_block_size: int = 128
-    refine_layers: tuple[int, ...] | None = None
-    """Layers whose keys build the similarity graph for refinement; None = the top third of the model."""
+    """The longest event, in tokens (a longer surprise-free stretch is cut)."""
 
     # --- retrieval ---
     repr_topk: int = 4
@@ -61,56 +66,18 @@ class EMConfig:
     """Fraction of ``n_mem`` given to the contiguity buffer (neighbours of retrieved events); 0 = off."""
     contiguity_neighbours: int = 1
     """Neighbours on each side of a retrieved event that enter the contiguity buffer."""
-    retrieval_scoring: RetrievalScoring = "representatives"
-    """How events are ranked for retrieval. "representatives": k-NN of the chunk's mean query over one vector per
-    event (the mean key of its most-attended tokens), as in the paper: cheap, independent of memory size.
-    "attention": the attention probability the chunk's queries (a strided sample, every head) would give each
-    stored token, summed per event: what full attention over the memory would look at, at the cost of reading every
-    stored key of the layer at each retrieval (time grows with the memory; slow from disk). With no RAM or device
-    budget each layer keeps a float32 copy of its stored keys for this (as many bytes again as the stored KV), so
-    a retrieval reads one tensor instead of every page; with a budget, pages are read each time. Measured on
-    SmolLM2-135M, needle at 16K tokens: the needle's event ranks 24-878 of 1,067 under "representatives" (answer
-    wrong), first in 6 of 30 layers under "attention" (answer right); see benchmarks/README.md.
-    "attention_for_questions": the representatives while a document is read, attention scoring for the forwards
-    that answer (a prompt's question, see read_question_alone, and every generated token): what decides the answer
-    is the question's retrieval, so reading keeps the paper's cost, which does not grow with the memory (the key
-    copy is kept current while reading). Each answering forward ranks events by the attention all of the answer's
-    queries so far give them, the question's included, not by its own token's alone: one generated token's query
-    is a noisy guide (at 128K the token before the number dropped the needle from 23 to 15 of 30 layers).
-    Measured, 32K essay needles with retrieval_pooling="cumulative" and n_local 512: 3/3 as with "attention",
-    reading 64 s per document instead of 147-171 s; with preset S+C also 3/3 at 64K and 128K (benchmarks/README.md,
-    "Why the 128K needles stopped after one digit")."""
-    retrieval_pooling: RetrievalPooling = "none"
-    """Whose scores rank events for a layer. "none", as in the paper: each layer ranks by its own queries.
-    "cumulative": each layer ranks by the sum of its own and every earlier layer's scores for the same input
-    (each standardised to mean 0, deviation 1 first, so no layer's scale dominates). A fact a question points at
-    is often found first by a few middle layers (attention scoring ranks the needle first in 4 of 30 layers of
-    SmolLM2 at 32K, its median rank over layers 98th-276th of ~2,480); pooled, their evidence reaches every later
-    layer instead of staying in those few. Costs nothing more than "none" with attention scoring; with the
-    representatives every event is scored (no faiss top-k). See benchmarks/README.md for what it changes."""
-    read_question_alone: bool = True
-    """Read a prompt's last paragraph (after its last blank line, or from the last message if that starts later)
-    in forwards of its own, rather than in one chunk with the end of the document before it. A chunk's retrieval
-    serves all its tokens, so a question sharing a chunk with up to chunk_size - 1 tokens of document is answered
-    from what those tokens point at. Measured on SmolLM2-135M, 32K essay needles, n_local 512, attention scoring:
-    1/3 answered with the question in the last chunk, 3/3 read alone (benchmarks/README.md). False reads every
-    prompt in plain chunks, as the paper's and InfLLM's evaluation did. Token-id prompts have no paragraphs: read
-    the document first, then pass the ids with the question (what ``emllm bench`` does)."""
+    scorer: Scorer = Representatives()
+    """Ranks each layer's events for retrieval (emllm.scoring): Representatives() is the paper's k-NN."""
     retrieval_backend: RetrievalBackend = "auto"
+    """Search representatives with "torch", "faiss", or "auto" (faiss from faiss_min_events events on)."""
     faiss_min_events: int = 20_000
-    """With backend "auto", stores of at least this many events per layer are searched with faiss."""
-    decode_retrieve_every: int = 1
-    """While generating, retrieve again every this many tokens (1 = every token)."""
+    """With retrieval_backend "auto", layers holding at least this many events are searched with faiss."""
 
     # --- attention ---
     attention: AttentionMode = "episodic"
     """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
     memory_positions: MemoryPositions = "fixed"
-    """Where sinks and retrieved events sit for the model's positional encoding. "fixed", as in the paper and
-    InfLLM: every one of their keys at one position, n_local before the queries, so the model sees them as an
-    unordered set (word order inside an event is lost to attention). "ordered": they are laid out in input order
-    at positions 0..m-1 and the local window follows at m, so the model reads one contiguous context of at most
-    n_init + n_mem + n_local tokens, well inside its trained length. Retrieval is the same in both."""
+    """Memory keys all at one distance ("fixed", paper/InfLLM) or in input order before the window ("ordered")."""
 
     # --- storage ---
     page_tokens: int = 1024
@@ -122,12 +89,9 @@ class EMConfig:
     offload_dir: str | None = None
     """Where disk pages go (a private temporary folder inside it, removed on close). None = system temp."""
     disk_budget_mb: float | None = None
-    """Disk for one memory's offloaded pages; a page that would exceed it is refused before it is written, and a
-    read that cannot fit in RAM + disk is refused before it starts. None = no limit."""
+    """Disk for one memory's offloaded pages; a read that would not fit is refused before it starts. None = no limit."""
     max_input_tokens: int | None = None
     """Refuse inputs longer than this before any work starts. None = no limit."""
-
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -135,7 +99,7 @@ class EMConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         positive = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
-                    "surprise_window", "contiguity_neighbours", "decode_retrieve_every", "page_tokens",
+                    "surprise_window", "contiguity_neighbours", "page_tokens",
                     "faiss_min_events"]
         for name in positive:
             value = getattr(self, name)
@@ -147,11 +111,10 @@ class EMConfig:
         _check_choice("refinement", self.refinement, get_args(Refinement))
         _check_choice("attention", self.attention, get_args(AttentionMode))
         _check_choice("retrieval_backend", self.retrieval_backend, get_args(RetrievalBackend))
-        _check_choice("retrieval_scoring", self.retrieval_scoring, get_args(RetrievalScoring))
-        _check_choice("retrieval_pooling", self.retrieval_pooling, get_args(RetrievalPooling))
         _check_choice("memory_positions", self.memory_positions, get_args(MemoryPositions))
-        if not isinstance(self.read_question_alone, bool):
-            raise ConfigError(f"read_question_alone must be True or False, got {self.read_question_alone!r}.")
+        if not isinstance(self.scorer, Scorer):
+            raise ConfigError(f"scorer must be a scorer object with a score(step) method (emllm.scoring: "
+                              f"Representatives(), Pooled(ForQuestions()), ...), got {self.scorer!r}.")
         if self.min_block_size > self.max_block_size:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "
@@ -171,10 +134,6 @@ class EMConfig:
                 "retrieved; raise n_mem, lower contiguity or lower max_block_size.")
         if not isinstance(self.gamma, (int, float)) or isinstance(self.gamma, bool) or not math.isfinite(self.gamma):
             raise ConfigError(f"gamma must be a finite number, got {self.gamma!r}.")
-        if self.refine_layers is not None and (not isinstance(self.refine_layers, (tuple, list)) or any(
-                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.refine_layers)):
-            raise ConfigError(f"refine_layers must be a tuple of non-negative layer indices or None, "
-                              f"got {self.refine_layers!r}.")
         if self.offload_dir is not None and not isinstance(self.offload_dir, (str, os.PathLike)):
             raise ConfigError(f"offload_dir must be a folder path or None, got {self.offload_dir!r}.")
         for name in ("ram_budget_mb", "device_budget_mb", "disk_budget_mb"):
@@ -189,9 +148,6 @@ class EMConfig:
 
     def validate_for_model(self, max_positions: int, num_layers: int) -> None:
         """Refuse layouts the model cannot address: positions beyond its trained range are what EM-LLM avoids."""
-        if self.refine_layers is not None and any(i >= num_layers for i in self.refine_layers):
-            raise ConfigError(f"refine_layers {self.refine_layers} name layers the model does not have "
-                              f"(it has {num_layers}: 0..{num_layers - 1}).")
         if self.attention == "full":
             return
         needed = self.rope_positions()
@@ -226,7 +182,7 @@ class EMConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_preset(cls, preset: str = "SM", **overrides: Any) -> "EMConfig":
+    def from_preset(cls, preset: str = DEFAULT_PRESET, **overrides: Any) -> "EMConfig":
         """A preset by the paper's name, with any field overridden by keyword."""
         key = _PRESET_ALIASES.get(preset.strip().upper().replace(" ", ""), None) if isinstance(preset, str) else None
         if key is None:
@@ -234,7 +190,7 @@ class EMConfig:
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"Unknown config field(s) {unknown}. Valid fields: "
-                              f"{', '.join(f.name for f in dataclasses.fields(cls) if f.name != 'extra')}.")
+                              f"{', '.join(f.name for f in dataclasses.fields(cls))}.")
         return cls(**{**PRESETS[key], **overrides})
 
 

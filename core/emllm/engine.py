@@ -1,6 +1,6 @@
 """The engine: a causal LM whose attention has an episodic memory, read in chunks and generating token by token.
 
-    engine = EMEngine.from_pretrained()                 # embedded SmolLM2-135M-Instruct, preset "SM"
+    engine = EMEngine.from_pretrained()                 # embedded SmolLM2-135M-Instruct, DEFAULT_PRESET
     memory = engine.new_memory()
     result = engine.chat([{"role": "user", "content": book + "\\n\\nWho wrote the letter?"}], memory=memory)
     result = engine.chat(messages + [answer, follow_up], memory=memory)   # reads only the new tokens
@@ -22,10 +22,12 @@ from typing import Any, NamedTuple
 import torch
 from tqdm.auto import tqdm
 
-from . import attention
-from .config import ConfigError, EMConfig
+from . import attention, persistence
+from .config import DEFAULT_PRESET, ConfigError, EMConfig
 from .lossless import LosslessCheck
-from .memory import EpisodicMemory, ModelShape, RetrievedEvent, _because
+from .forward import layer_attention
+from .memory import EpisodicMemory, ModelShape, RetrievedEvent, because
+from .scoring import RetrievalPlan
 from .rope import RotaryTable
 
 Message = dict[str, str]
@@ -85,7 +87,7 @@ class EMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EMConfig | None = None, *,
                  model_name: str = "model"):
         self.model, self.tokenizer = model, tokenizer
-        self.config = config or EMConfig.from_preset("SM")
+        self.config = config or EMConfig.from_preset(DEFAULT_PRESET)
         self.model_name = model_name
         mc = model.config
         heads = mc.num_attention_heads
@@ -101,7 +103,7 @@ class EMEngine:
         self._rotary = rotary
         self._ropes = {d: RotaryTable.from_rotary_module(rotary, table_size, self.shape.dtype, d)
                        for d in dict.fromkeys(self.layer_devices)}
-        attention.install(model)
+        attention.install(model, layer_attention)
         self.input_device = model.get_input_embeddings().weight.device
         self.store_device = self.layer_devices[0]
         self.eos_ids = _end_of_turn_ids(model, tokenizer)
@@ -109,7 +111,7 @@ class EMEngine:
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, preset: str = "SM", config: EMConfig | None = None,
+    def from_pretrained(cls, model: str | None = None, *, preset: str = DEFAULT_PRESET, config: EMConfig | None = None,
                         dtype: torch.dtype | str = "auto", device: str | None = None,
                         device_map: str | dict | None = None, progress: bool = True, **overrides: Any) -> "EMEngine":
         """Load a model (None = the embedded default) and give it an episodic memory.
@@ -142,13 +144,11 @@ class EMEngine:
 
     def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike", metadata: dict | None = None) -> Any:
         """Write a memory to a directory atomically (safetensors + a checked manifest); see persistence.py."""
-        from .persistence import save_memory
-        return save_memory(memory, path, engine=self, metadata=metadata)
+        return persistence.save_memory(memory, path, engine=self, metadata=metadata)
 
     def load_memory(self, path: "str | os.PathLike", config: EMConfig | None = None) -> EpisodicMemory:
         """A memory saved by save_memory, verified (version, model, shapes, checksums) before anything is used."""
-        from .persistence import load_memory
-        memory = load_memory(path, self, config=config)
+        memory = persistence.load_memory(path, self, config=config)
         memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory
@@ -217,8 +217,7 @@ class EMEngine:
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
         """prompt_ids() and where the question starts: the prompt's last paragraph, i.e. the text after its last
-        blank line, or the last message if that starts later. read() gives it forwards of its own (see
-        EMConfig.read_question_alone). Token ids carry no paragraphs: their question_start is None."""
+        blank line, or the last message if that starts later. read() gives it forwards of its own. Token ids carry no paragraphs: their question_start is None."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
             return EncodedPrompt(ids, self._token_at(prompt, ids, _last_paragraph(prompt, 0)))
@@ -256,22 +255,22 @@ class EMEngine:
         """Read tokens (or text) into the memory in chunks; returns how many were read.
 
         ``question_start`` is a position counted from the memory's first token (EncodedPrompt.question_start): if
-        it falls inside these tokens and the config's read_question_alone is on, the chunks restart there, so the
-        question's retrieval is driven by its own queries rather than by the document's last chunk. The forwards
-        from the question on (with read_question_alone off: the chunk holding its start) are answering ones."""
+        it falls inside these tokens, the chunks restart there, so the question's retrieval is driven by its own
+        queries rather than by the document's last chunk (a chunk's retrieval serves all its tokens: on SmolLM2 at
+        32K, 1/3 needles answered with the question in the last chunk, 3/3 read alone). The forwards from the
+        question on are answering ones."""
         if isinstance(ids, str):
             ids = self.tokenize(ids)
         if memory.closed:
-            raise RuntimeError(f"This episodic memory was closed{_because(memory.closed_reason)}; start a new one "
+            raise RuntimeError(f"This episodic memory was closed{because(memory.closed_reason)}; start a new one "
                                "with engine.new_memory().")
         tokens = self._check_ids(ids)
         self._check_budget(memory, len(tokens))
         chunk = memory.config.chunk_size
         question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
                                                                       len(tokens))
-        split = question if memory.config.read_question_alone else len(tokens)
         memory.begin_answer()  # these tokens are a new prompt: its question must not inherit the last answer's ranking
-        starts = [*range(0, split, chunk), *range(split, len(tokens), chunk)]
+        starts = [*range(0, question, chunk), *range(question, len(tokens), chunk)]
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:
             for start, end in zip(starts, [*starts[1:], len(tokens)]):
@@ -291,48 +290,6 @@ class EMEngine:
             chunk = memory.config.chunk_size
             question_start = seen + max(0, len(ids) - seen - 1) // chunk * chunk
         return self.read(memory, ids[seen:], progress=progress, question_start=question_start)
-
-    def read_each(self, documents: Sequence[Sequence[int]], *,
-                  config: EMConfig | None = None) -> Iterator[tuple[EpisodicMemory, float]]:
-        """For each document in turn, a memory that has read exactly it and the seconds a separate read costs.
-
-        Benchmarks ask about one haystack with the needle at several depths: those documents are identical up to
-        their needles. The part a document shares with the next one, cut at a chunk boundary, is read once into a
-        trunk memory that is then forked, so three depths cost about 2.4 reads instead of 3. Because the cut is at a
-        chunk boundary, every forward is the one a separate read of the document makes: the memories, and so the
-        answers, are those of separate reads. The seconds given are the trunk's reading up to the fork plus the
-        document's own tail, i.e. what reading it alone costs. Close each memory when done with it.
-        """
-        trunk: EpisodicMemory | None = None
-        trunk_seconds = 0.0
-        try:
-            for index, ids in enumerate(documents):
-                ids = list(ids)
-                if trunk is not None and trunk.token_ids != ids[:trunk.total_tokens]:  # diverges before the fork
-                    trunk.close()
-                    trunk = None
-                if trunk is None:
-                    trunk, trunk_seconds = self.new_memory(config), 0.0
-                chunk = trunk.config.chunk_size
-                later = list(documents[index + 1]) if index + 1 < len(documents) else []
-                shared = _common_prefix(ids, later) // chunk * chunk
-                if later and shared >= trunk.total_tokens:
-                    started = time.perf_counter()
-                    self.read(trunk, ids[trunk.total_tokens:shared])
-                    trunk_seconds += time.perf_counter() - started
-                    memory = trunk.fork()
-                else:  # the last document, or the next shares less than the trunk holds: this one takes the trunk
-                    memory, trunk = trunk, None
-                try:
-                    started = time.perf_counter()
-                    self.read(memory, ids[memory.total_tokens:])
-                except BaseException:
-                    memory.close()
-                    raise
-                yield memory, trunk_seconds + time.perf_counter() - started
-        finally:
-            if trunk is not None:
-                trunk.close()
 
     def _check_ids(self, ids: Sequence[int]) -> torch.Tensor:
         """Token ids as a tensor, refusing (before any work) what the model cannot read: a wrong id would raise
@@ -366,7 +323,7 @@ class EMEngine:
 
     def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool,
                  answering: bool = False) -> torch.Tensor:
-        memory.begin_forward(retrieve, answering)
+        memory.begin_forward(RetrievalPlan(retrieve=retrieve, answering=answering))
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
         keep = 0 if memory.track_surprise else 1
@@ -425,7 +382,6 @@ class EMEngine:
             generated: list[int] = []
             emitted, finish = "", "length"
             started = time.perf_counter()
-            every = memory.config.decode_retrieve_every
             for step in range(max_new_tokens):
                 token = sample_token(memory.last_logits, temperature, top_p, top_k, generator)
                 if token in self.eos_ids:
@@ -445,7 +401,7 @@ class EMEngine:
                     yield text[len(emitted):safe]
                     emitted = text[:safe]
                 if step + 1 < max_new_tokens:
-                    self._forward(memory, torch.tensor([token]), retrieve=(step + 1) % every == 0, answering=True)
+                    self._forward(memory, torch.tensor([token]), retrieve=True, answering=True)
             else:
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 if len(text) > len(emitted):

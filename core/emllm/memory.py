@@ -14,17 +14,17 @@ moved to storage. The tokens after the last complete event stay local, so the wi
 
 from __future__ import annotations
 
-import copy
 import math
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from . import segmentation
 from .config import EMConfig
-from .retrieval import (ATTENTION_SCORING_ROWS, ContiguityBuffer, RepresentativeIndex, attention_mass_per_event,
-                        fill_budget, token_index_of_events)
+from .retrieval import ContiguityBuffer, RepresentativeIndex, gather_events
+from .scoring import RetrievalPlan, uses_stored_keys
 from .rope import RotaryTable
 from .storage import PageStore
 
@@ -72,8 +72,8 @@ class LayerMemory:
         self._ordered_source = self.sink_keys  # the memory_keys tensor that ordered_keys was rotated from
         self.retrievals = 0
         self.answer_mass: torch.Tensor | None = None  # [e] attention the answer's queries gave each event so far
-        # Attention scoring with no memory budget keeps a float32 copy of this layer's stored keys (_stored_keys).
-        self.keeps_key_copy = (config.retrieval_scoring != "representatives" and config.ram_budget_mb is None
+        # A scorer reading every stored key, with no memory budget, keeps a float32 copy of them (stored_keys).
+        self.keeps_key_copy = (uses_stored_keys(config.scorer) and config.ram_budget_mb is None
                                and config.device_budget_mb is None)
         self.key_copy = torch.empty(kv, 0, d, dtype=torch.float32, device=device)  # [kv, capacity, d]
         self.key_copy_length = 0   # stored tokens copied so far
@@ -123,17 +123,6 @@ class LayerMemory:
         self.length = keep
         self.rotated_length = 0
 
-    def fork(self) -> "LayerMemory":
-        """An independent copy: window buffers and index copied; sinks and retrieved KV are shared because they
-        are only ever replaced, never written in place."""
-        child = copy.copy(self)
-        for name in ("keys", "values", "rotated", "scores"):
-            setattr(child, name, getattr(self, name).clone())
-        child.index = self.index.fork()
-        child.contiguity = self.contiguity.fork()
-        child.key_copy_owned = False  # the parent writes past its own length only, which the child never reads
-        return child
-
     # ------------------------------------------------------------------ memory part
     def set_sinks(self, n: int) -> None:
         """The first n window tokens become attention sinks at the fixed memory position."""
@@ -163,58 +152,17 @@ class LayerMemory:
                                              sizes.to(self.device), topk))
         return torch.stack([keys, self.values[:, :n]]).transpose(1, 2)  # [2, n, kv, d]
 
-    def retrieve(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> None:
-        """Choose events for this layer from the chunk's memory-part queries [kv, rows, d] and load their KV after
-        the sinks."""
-        config = self.config
-        candidates = min(self.index.size, config.similarity_tokens // config.min_block_size + 1)
-        sizes = memory.event_sizes
-        best = self._ranked_events(queries, memory, scaling, candidates)
-        similar = fill_budget(_pinned_first(memory.pinned_events(), best.to("cpu")), sizes,
-                              config.similarity_tokens).tolist()
-        neighbours = self.contiguity.update(similar, sizes, self.index.size)
-        chosen = tuple(sorted(set(similar).union(neighbours)))
-        self.retrievals += 1
-        if chosen == self.retrieved_ids:
-            return
-        self.retrieved_ids = chosen
-        if not chosen:
+    def set_retrieved(self, event_ids: tuple[int, ...], keys: torch.Tensor | None = None,
+                      values: torch.Tensor | None = None) -> None:
+        """Hold these events in attention after the sinks: keys, values [kv, n, d] rotated at position 0."""
+        self.retrieved_ids = event_ids
+        if not event_ids:
             self.memory_keys, self.memory_values = self.sink_keys, self.sink_values
             return
-        ids = torch.tensor(chosen, dtype=torch.long)
-        tokens = token_index_of_events(ids, memory.event_starts, sizes)
-        keys, values = memory.store.gather(self.layer_index, tokens, self.device)
         self.memory_keys = torch.cat([self.sink_keys, keys], dim=1)
         self.memory_values = torch.cat([self.sink_values, values], dim=1)
 
-    def _ranked_events(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float,
-                       candidates: int) -> torch.Tensor:
-        """The best ``candidates`` event ids, best first (CPU), by this layer's scores, or under
-        retrieval_pooling="cumulative" by the scores pooled over this and the earlier layers of the same forward."""
-        if memory.scoring_now == "attention":
-            scores = self._attention_mass(queries, memory, scaling)                           # [e]
-            if memory.accumulating_answer:
-                scores = self._add_to_answer(scores)
-        else:
-            if self.keeps_key_copy:  # attention_for_questions: keep the copy current, so a question finds it filled
-                self._stored_keys(memory.store)
-            mean_query = queries.float().mean(dim=1).reshape(-1)                              # [kv * d]
-            if self.config.retrieval_pooling == "none":
-                return self.index.search(mean_query, candidates)[1].to("cpu")  # faiss top-k where the index uses it
-            scores = self.index.scores(mean_query)                                            # [e]
-        if self.config.retrieval_pooling == "cumulative":
-            scores = memory.pool_scores(scores)
-        return torch.argsort(scores, descending=True)[:candidates].to("cpu")
-
-    def _attention_mass(self, queries: torch.Tensor, memory: "EpisodicMemory", scaling: float) -> torch.Tensor:
-        """[e] the attention a strided sample of the queries gives each event's stored tokens, summed over the
-        sampled rows (so that forwards of different lengths add up in proportion to their queries)."""
-        rows = queries.shape[1]
-        sample = queries[:, ::max(1, -(-rows // ATTENTION_SCORING_ROWS))]                     # [kv, <=256, d]
-        keys = self._stored_keys(memory.store)          # [kv, n, d]: events cover every stored token
-        return attention_mass_per_event(sample, keys, memory.event_sizes, scaling) * sample.shape[1]
-
-    def _add_to_answer(self, mass: torch.Tensor) -> torch.Tensor:
+    def add_to_answer(self, mass: torch.Tensor) -> torch.Tensor:
         """[e] this forward's attention mass plus what the answer's earlier forwards gave each event (the
         question's among them). Events stored since then (evicted while answering) start from this forward's."""
         total = mass.clone()
@@ -223,7 +171,7 @@ class LayerMemory:
         self.answer_mass = total
         return total
 
-    def _stored_keys(self, store: PageStore) -> torch.Tensor:
+    def stored_keys(self, store: PageStore) -> torch.Tensor:
         """Every stored key of this layer, [kv, n, d]. Read from the store's pages, attention scoring would gather,
         concatenate and convert all of them at every retrieval, i.e. at every decoded token; with the copy only
         the keys stored since the last retrieval are read. The copy costs as many bytes as the stored KV, so with
@@ -241,6 +189,41 @@ class LayerMemory:
             self.key_copy[:, copied:n] = new
             self.key_copy_length = n
         return self.key_copy[:, :n]
+
+    def share_key_copy(self, other: "LayerMemory") -> None:
+        """Use other's key copy (a fork's parent): the parent only writes past its own length, which this layer
+        never reads, and this layer copies the buffer before it writes (key_copy_owned)."""
+        self.key_copy, self.key_copy_length, self.key_copy_owned = other.key_copy, other.key_copy_length, False
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """This layer's state outside the page store (tensors by reference: load_state_dict copies what it keeps)."""
+        return {
+            "window_keys": self.keys[:, :self.length], "window_values": self.values[:, :self.length],
+            "window_rotated": self.rotated[:, :self.rotated_length], "window_scores": self.scores[:, :self.length],
+            "sink_keys": self.sink_keys, "sink_values": self.sink_values,
+            "representatives": self.index.vectors,
+            "contiguity": self.contiguity.entries(), "retrieved_ids": list(self.retrieved_ids),
+            "retrievals": self.retrievals,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a state_dict() (of a fresh layer's shape): windows and index are copied; sinks are shared, being
+        only ever replaced, never written in place. The retrieved events' KV is loaded by the caller."""
+        device = self.device
+        self.length = self.rotated_length = 0
+        self.append(state["window_keys"].to(device), state["window_values"].to(device))  # grows if needed
+        self.scores[:, :self.length] = state["window_scores"].to(device)
+        rotated = state["window_rotated"].shape[1]
+        self.rotated[:, :rotated] = state["window_rotated"].to(device)
+        self.rotated_length = rotated
+        self.sink_keys, self.sink_values = state["sink_keys"].to(device), state["sink_values"].to(device)
+        self.memory_keys, self.memory_values = self.sink_keys, self.sink_values
+        if state["representatives"].shape[0]:
+            self.index.add(state["representatives"])
+        self.contiguity.load(state["contiguity"])
+        self.retrieved_ids = tuple(state["retrieved_ids"])
+        self.retrievals = int(state["retrievals"])
 
 
 def event_representatives(keys: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
@@ -270,13 +253,14 @@ class EpisodicMemory:
     """Everything one conversation has read. Created by EMEngine.new_memory(); not shared between threads."""
 
     def __init__(self, config: EMConfig, shape: ModelShape, layer_devices: list[torch.device],
-                 ropes: dict[torch.device, RotaryTable], store_device: torch.device):
+                 ropes: dict[torch.device, RotaryTable], store_device: torch.device, store: PageStore | None = None):
         self.config, self.shape = config, shape
+        self._placement = (layer_devices, ropes, store_device)  # what a fork is built with
         self.layers = [LayerMemory(i, config, shape, device, ropes[device]) for i, device in enumerate(layer_devices)]
-        self.store = PageStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
-                               page_tokens=config.page_tokens, device=store_device,
-                               device_budget_mb=config.device_budget_mb, ram_budget_mb=config.ram_budget_mb,
-                               offload_dir=config.offload_dir, disk_budget_mb=config.disk_budget_mb)
+        self.store = store or PageStore(shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype,
+                                        page_tokens=config.page_tokens, device=store_device,
+                                        device_budget_mb=config.device_budget_mb, ram_budget_mb=config.ram_budget_mb,
+                                        offload_dir=config.offload_dir, disk_budget_mb=config.disk_budget_mb)
         self.token_ids: list[int] = []
         self.surprise = torch.empty(0, dtype=torch.float32)     # [total] (NaN for the first token)
         self.boundary_flags = torch.empty(0, dtype=torch.bool)  # [total] surprise above threshold
@@ -285,10 +269,7 @@ class EpisodicMemory:
         self.event_starts = torch.empty(0, dtype=torch.long)    # [events] store-relative token positions
         self.event_sizes = torch.empty(0, dtype=torch.long)     # [events]
         self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
-        self.retrieve_now = True                                # set by begin_forward before each forward
-        self.scoring_now = "representatives"                    # how this forward ranks events (begin_forward)
-        self.accumulating_answer = False  # attention_for_questions: ranking by the answer's queries so far
-        self.score_pool: torch.Tensor | None = None             # [events] pooled standardised scores this forward
+        self.plan = RetrievalPlan()                             # this forward's, set by begin_forward
         # Surprise of every token is needed to cut events by surprise (and for inspection); otherwise only the
         # tokens whose predicting logits are at hand (the first of each forward) get one.
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
@@ -311,37 +292,15 @@ class EpisodicMemory:
         """Sinks and events sit at a fixed position only once something has been evicted."""
         return self.sinks_split
 
-    def begin_forward(self, retrieve: bool, answering: bool = False) -> None:
-        """Called by the engine before each forward: whether its layers retrieve, how they rank events (answering:
-        a question's or a generated token's forward, which retrieval_scoring="attention_for_questions" scores by
-        attention), and a fresh score pool."""
-        self.retrieve_now = retrieve
-        scoring = self.config.retrieval_scoring
-        self.scoring_now = "attention" if scoring == "attention" or (
-            scoring == "attention_for_questions" and answering) else "representatives"
-        self.accumulating_answer = scoring == "attention_for_questions" and answering
-        self.score_pool = None
+    def begin_forward(self, plan: RetrievalPlan) -> None:
+        """Called by the engine before each forward with what its layers do with memory (see RetrievalPlan)."""
+        self.plan = plan
 
     def begin_answer(self) -> None:
         """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh. Called by
         EMEngine.read, the one path every prompt is read by; forwards that do not answer never add to the mass."""
         for layer in self.layers:
             layer.answer_mass = None
-
-    def pool_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """Add one layer's event scores [e], standardised, to this forward's pool and return the pool [e].
-
-        Standardised because scores of different layers live on different scales (logits, attention masses):
-        mean 0 and deviation 1 give each layer one vote's weight. Layers run in order, so layer l ranks by the
-        sum over layers 0..l (retrieval_pooling="cumulative")."""
-        scores = scores.float()
-        spread = scores.std() if scores.numel() > 1 else scores.new_tensor(0.0)
-        standard = (scores - scores.mean()) / spread.clamp_min(1e-12)
-        if self.score_pool is None or self.score_pool.shape != standard.shape:
-            self.score_pool = standard
-        else:
-            self.score_pool = self.score_pool.to(standard.device) + standard
-        return self.score_pool
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Record tokens just read and their surprise.
@@ -396,25 +355,16 @@ class EpisodicMemory:
         self.local_start += end
         return end
 
-    def segment(self, region: int, config: EMConfig | None = None) -> torch.Tensor:
-        """Event starts (window-relative, in (0, region)) for the first `region` window tokens.
-
-        ``config``: cut as another preset would on what this memory has read (the segmentation benchmark scores
-        several presets on one read). Surprise flags were thresholded when read, so gamma and tau must match.
-        """
-        config = config or self.config
-        if config.segmentation == "surprise" and (config.gamma, config.surprise_window) != (
-                self.config.gamma, self.config.surprise_window):
-            raise ValueError(f"surprise boundaries were thresholded with gamma={self.config.gamma}, "
-                             f"surprise_window={self.config.surprise_window} when read; segmenting with gamma="
-                             f"{config.gamma}, surprise_window={config.surprise_window} needs a memory read with those")
+    def segment(self, region: int) -> torch.Tensor:
+        """Event starts (window-relative, in (0, region)) for the first `region` window tokens."""
+        config = self.config
         if config.segmentation == "fixed":
             boundaries = segmentation.fixed_boundaries(region, config.max_block_size)
         else:
             flags = self.boundary_flags[self.local_start + 1:self.local_start + region]
             boundaries = torch.nonzero(flags).flatten() + 1
         if config.refinement != "none" and boundaries.numel():
-            layers = config.refine_layers or range(self.shape.num_layers * 2 // 3, self.shape.num_layers)
+            layers = range(self.shape.num_layers * 2 // 3, self.shape.num_layers)  # the top third (paper 3.3)
             keys = torch.stack([self.layers[i].keys[:, :region].to(self.layers[layers[0]].device)
                                 for i in layers])  # [refine_layers, kv, region, d]
             adjacency = segmentation.key_similarity(keys)
@@ -429,14 +379,53 @@ class EpisodicMemory:
         other. Evicted pages are shared (they are immutable), so a fork costs a copy of the local windows and
         indexes, not of the evicted KV: a document read once can be questioned many times."""
         if self.closed:
-            raise RuntimeError(f"This episodic memory was closed{_because(self.closed_reason)}; it cannot be forked.")
-        child = copy.copy(self)
-        child.layers = [layer.fork() for layer in self.layers]
-        child.store = self.store.fork()
-        child.token_ids = list(self.token_ids)
+            raise RuntimeError(f"This episodic memory was closed{because(self.closed_reason)}; it cannot be forked.")
+        child = EpisodicMemory(self.config, self.shape, *self._placement, store=self.store.fork())
+        child.load_state_dict(self.state_dict(with_caches=True))
+        for mine, theirs in zip(child.layers, self.layers):
+            mine.share_key_copy(theirs)
+        child.on_fork = self.on_fork
         if self.on_fork is not None:
             self.on_fork(child)
         return child
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, with_caches: bool = False) -> dict[str, Any]:
+        """Everything this memory holds outside its page store, tensors by reference (as torch's state_dict):
+        persistence writes it, fork loads it into a new memory over the same pages. ``with_caches`` adds what can
+        be rebuilt from the rest (the retrieved events' KV, the current answer's accumulated attention)."""
+        layers = [layer.state_dict() for layer in self.layers]
+        if with_caches:
+            for state, layer in zip(layers, self.layers):
+                state["retrieved_kv"] = (layer.memory_keys, layer.memory_values)
+                state["answer_mass"] = layer.answer_mass
+        return {
+            "token_ids": self.token_ids, "surprise": self.surprise, "boundary_flags": self.boundary_flags,
+            "event_starts": self.event_starts, "event_sizes": self.event_sizes, "last_logits": self.last_logits,
+            "sinks_split": self.sinks_split, "local_start": self.local_start, "track_surprise": self.track_surprise,
+            "pinned_spans": self.pinned_spans, "layers": layers,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a state_dict() into this fresh memory, whose store already holds the pages that state refers to."""
+        if self.total_tokens or len(state["layers"]) != len(self.layers):
+            raise ValueError("load_state_dict needs a fresh memory of the same model (nothing read yet, "
+                             f"{len(self.layers)} layers); got {len(state['layers'])} layers of state.")
+        self.token_ids = list(state["token_ids"])
+        self.surprise, self.boundary_flags = state["surprise"], state["boundary_flags"]
+        self.event_starts, self.event_sizes = state["event_starts"], state["event_sizes"]
+        self.last_logits = state["last_logits"]
+        self.sinks_split, self.local_start = bool(state["sinks_split"]), int(state["local_start"])
+        self.track_surprise = bool(state["track_surprise"])
+        for start, end in state["pinned_spans"]:  # pin() checks each span against the budget
+            self.pin(int(start), int(end))
+        for layer, layer_state in zip(self.layers, state["layers"]):
+            layer.load_state_dict(layer_state)
+            layer.answer_mass = layer_state.get("answer_mass")
+            if "retrieved_kv" in layer_state:
+                layer.memory_keys, layer.memory_values = layer_state["retrieved_kv"]
+            elif layer.retrieved_ids:
+                layer.set_retrieved(layer.retrieved_ids, *gather_events(self, layer, layer.retrieved_ids))
 
     def retrieved_events(self) -> list["RetrievedEvent"]:
         """The events the layers currently hold in attention (the last retrieval), as absolute token spans with
@@ -521,13 +510,5 @@ class EpisodicMemory:
         self.closed_reason = reason
 
 
-def _pinned_first(pinned: list[int], ranked: torch.Tensor) -> torch.Tensor:
-    """Event ids best first with the pinned ones ahead of the ranking (each once)."""
-    if not pinned:
-        return ranked
-    pinned_ids = torch.tensor(pinned, dtype=torch.long)
-    return torch.cat([pinned_ids, ranked[~torch.isin(ranked, pinned_ids)]])
-
-
-def _because(reason: str) -> str:
+def because(reason: str) -> str:
     return f" ({reason})" if reason else ""

@@ -36,10 +36,9 @@ import secrets
 import shutil
 import struct
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import safetensors.torch
@@ -47,11 +46,21 @@ import torch
 
 from .config import ConfigError, EMConfig
 from .memory import EpisodicMemory
-from .retrieval import token_index_of_events
+from .scoring import scorer_from_names, scorer_from_spec, scorer_to_spec
 from .storage import PageStore, StorageFullError
 
-if TYPE_CHECKING:
-    from .engine import EMEngine
+
+
+class EngineLike(Protocol):
+    """What saving and loading use of an EMEngine (named structurally, so this module does not import the engine)."""
+
+    model: torch.nn.Module
+    model_name: str
+    shape: Any
+    config: EMConfig
+    input_device: torch.device
+
+    def new_memory(self, config: EMConfig | None = None) -> EpisodicMemory: ...
 
 FORMAT = "emllm-episodic-memory"
 FORMAT_VERSION = 1
@@ -64,8 +73,12 @@ KV_FILE = "kv.safetensors"
 PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
                     "max_input_tokens")
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
-ADDED_FIELDS: dict[str, Any] = {"retrieval_scoring": "representatives", "memory_positions": "fixed",
-                                "retrieval_pooling": "none", "read_question_alone": False}
+ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed"}
+# Config fields of earlier releases that the scorer objects replaced (retrieval_scoring, retrieval_pooling) or that
+# were removed with their one possible value kept (read_question_alone: on, decode_retrieve_every: 1, refine_layers:
+# the top third of the layers), with the values files written before then may hold and still be read with.
+REPLACED_FIELDS: dict[str, tuple[Any, ...]] = {"read_question_alone": (True, False), "decode_retrieve_every": (1,),
+                                               "refine_layers": (None,)}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "int64": torch.int64, "bool": torch.bool}
@@ -80,7 +93,7 @@ class MemoryFileError(ValueError):
 
 
 # ====================================================================== saving
-def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EMEngine",
+def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EngineLike",
                 metadata: dict[str, Any] | None = None) -> Path:
     """Save everything ``memory`` has read into the directory ``path`` (replaced atomically if it holds a save).
 
@@ -155,39 +168,39 @@ def _check_replaceable(target: Path) -> None:
 
 
 def _state_tensors(memory: EpisodicMemory) -> dict[str, torch.Tensor]:
-    """Every piece of memory state outside the page store, as CPU tensors (layers stacked on dim 0)."""
-    layers = memory.layers
-    window = _uniform(layers, "length")
-    rotated = min(layer.rotated_length for layer in layers)
-    if any(layer.rotated_length != rotated for layer in layers):
-        rotated = 0  # not aligned across layers (never after a forward pass): rotated again on demand, same values
-    queues = [list(layer.contiguity._queue.items()) for layer in layers]
-    retrieved = [list(layer.retrieved_ids) for layer in layers]
+    """memory.state_dict() as the file's flat CPU tensors (layers stacked on dim 0; ragged lists flattened with
+    per-layer counts); its scalars go to the manifest."""
+    state = memory.state_dict()
+    layers = state["layers"]
+    _uniform(memory.layers, "length")
+    rotated = min(layer["window_rotated"].shape[1] for layer in layers)  # rotated again on demand where it differs
+    queues = [layer["contiguity"] for layer in layers]
+    retrieved = [layer["retrieved_ids"] for layer in layers]
     cpu = lambda t: t.detach().to("cpu").contiguous().clone()  # noqa: E731  (safetensors refuses shared memory)
-    stack = lambda ts: cpu(torch.stack([t.to("cpu") for t in ts]))  # noqa: E731
-    state = {
-        "token_ids": torch.tensor(memory.token_ids, dtype=torch.int64),
-        "surprise": cpu(memory.surprise.float()),
-        "boundary_flags": cpu(memory.boundary_flags.bool()),
-        "event_starts": cpu(memory.event_starts.long()),
-        "event_sizes": cpu(memory.event_sizes.long()),
-        "window_keys": stack([layer.keys[:, :window] for layer in layers]),
-        "window_values": stack([layer.values[:, :window] for layer in layers]),
-        "window_rotated": stack([layer.rotated[:, :rotated] for layer in layers]),
-        "window_scores": stack([layer.scores[:, :window].float() for layer in layers]),
-        "sink_keys": stack([layer.sink_keys for layer in layers]),
-        "sink_values": stack([layer.sink_values for layer in layers]),
-        "representatives": stack([layer.index.vectors.float() for layer in layers]),
+    stack = lambda name: cpu(torch.stack([layer[name].to("cpu") for layer in layers]))  # noqa: E731
+    tensors = {
+        "token_ids": torch.tensor(state["token_ids"], dtype=torch.int64),
+        "surprise": cpu(state["surprise"].float()),
+        "boundary_flags": cpu(state["boundary_flags"].bool()),
+        "event_starts": cpu(state["event_starts"].long()),
+        "event_sizes": cpu(state["event_sizes"].long()),
+        "window_keys": stack("window_keys"),
+        "window_values": stack("window_values"),
+        "window_rotated": cpu(torch.stack([layer["window_rotated"][:, :rotated].to("cpu") for layer in layers])),
+        "window_scores": cpu(torch.stack([layer["window_scores"].float().to("cpu") for layer in layers])),
+        "sink_keys": stack("sink_keys"),
+        "sink_values": stack("sink_values"),
+        "representatives": cpu(torch.stack([layer["representatives"].float().to("cpu") for layer in layers])),
         "contiguity_ids": torch.tensor([e for q in queues for e, _ in q], dtype=torch.int64),
         "contiguity_sizes": torch.tensor([s for q in queues for _, s in q], dtype=torch.int64),
         "contiguity_counts": torch.tensor([len(q) for q in queues], dtype=torch.int64),
         "retrieved_ids": torch.tensor([e for r in retrieved for e in r], dtype=torch.int64),
         "retrieved_counts": torch.tensor([len(r) for r in retrieved], dtype=torch.int64),
-        "retrievals": torch.tensor([layer.retrievals for layer in layers], dtype=torch.int64),
+        "retrievals": torch.tensor([layer["retrievals"] for layer in layers], dtype=torch.int64),
     }
-    if memory.last_logits is not None:
-        state["last_logits"] = cpu(memory.last_logits)
-    return state
+    if state["last_logits"] is not None:
+        tensors["last_logits"] = cpu(state["last_logits"])
+    return tensors
 
 
 def _uniform(layers: list, name: str) -> int:
@@ -240,7 +253,7 @@ def _spec(dtype: torch.dtype, shape: list[int]) -> dict[str, Any]:
     return {"dtype": str(dtype).removeprefix("torch."), "shape": [int(s) for s in shape]}
 
 
-def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages: int,
+def _manifest(memory: EpisodicMemory, engine: "EngineLike", files: dict, kv_pages: int,
               metadata: dict[str, Any]) -> dict[str, Any]:
     from . import models
 
@@ -262,7 +275,7 @@ def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages:
             "window_tokens": layer.length, "rotated_tokens": files[STATE_FILE]["tensors"]["window_rotated"]["shape"][2],
             "local_start": memory.local_start, "sinks_split": memory.sinks_split,
             "track_surprise": memory.track_surprise, "pinned_spans": [list(span) for span in memory.pinned_spans],
-            "contiguity_entries": sum(len(l.contiguity._queue) for l in memory.layers),
+            "contiguity_entries": files[STATE_FILE]["tensors"]["contiguity_ids"]["shape"][0],
             "retrieved_entries": sum(len(l.retrieved_ids) for l in memory.layers),
             "last_logits": None if logits is None else _spec(logits.dtype, list(logits.shape)),
             "kv_pages": kv_pages, "kv_page_tokens": memory.store.page_tokens,
@@ -275,7 +288,8 @@ def _manifest(memory: EpisodicMemory, engine: "EMEngine", files: dict, kv_pages:
 
 
 def _config_fields(config: EMConfig) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "extra"}
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {**fields, "scorer": scorer_to_spec(config.scorer)}
 
 
 def _manifest_checksum(manifest: dict[str, Any]) -> str:
@@ -381,7 +395,7 @@ def _alive(pid: int) -> bool:
 
 
 # ====================================================================== loading
-def load_memory(path: str | os.PathLike, engine: "EMEngine", *, config: EMConfig | None = None) -> EpisodicMemory:
+def load_memory(path: str | os.PathLike, engine: "EngineLike", *, config: EMConfig | None = None) -> EpisodicMemory:
     """Load a memory saved by save_memory into a new memory of ``engine``; it answers exactly as the saved one.
 
     The saved config is restored; only the placement fields (page_tokens, ram_budget_mb, device_budget_mb,
@@ -405,9 +419,8 @@ def load_memory(path: str | os.PathLike, engine: "EMEngine", *, config: EMConfig
     _check_consistency(state, info, memory_config, target)
     memory = engine.new_memory(memory_config)
     try:
-        _restore_state(memory, state, info, engine)
         _stream_kv(memory.store, target / KV_FILE, files[KV_FILE], info)
-        _restore_retrieved(memory)
+        memory.load_state_dict(_state_dict(state, info, engine))
     except BaseException:
         memory.close()
         raise
@@ -450,7 +463,7 @@ def _read_manifest(target: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_model(manifest: dict[str, Any], engine: "EMEngine", target: Path) -> None:
+def _check_model(manifest: dict[str, Any], engine: "EngineLike", target: Path) -> None:
     from . import models
 
     saved = manifest["model"]
@@ -475,15 +488,13 @@ def _check_model(manifest: dict[str, Any], engine: "EMEngine", target: Path) -> 
                               "the same model in the same dtype it was saved with.")
 
 
-def _restore_config(manifest: dict[str, Any], engine: "EMEngine", config: EMConfig | None,
+def _restore_config(manifest: dict[str, Any], engine: "EngineLike", config: EMConfig | None,
                     target: Path) -> EMConfig:
-    saved = {**ADDED_FIELDS, **manifest["config"]}
-    names = {f.name for f in dataclasses.fields(EMConfig) if f.name != "extra"}
+    saved = _current_config_fields({**ADDED_FIELDS, **manifest["config"]}, target)
+    names = {f.name for f in dataclasses.fields(EMConfig)}
     if set(saved) != names:
         raise MemoryFileError(f"{target / MANIFEST}: the saved config fields do not match this emllm's EMConfig "
                               f"(unknown: {sorted(set(saved) - names)}, missing: {sorted(names - set(saved))}).")
-    if isinstance(saved.get("refine_layers"), list):
-        saved["refine_layers"] = tuple(saved["refine_layers"])
     placement = config or engine.config
     if config is not None:
         differ = [f"{k}={saved[k]!r} (given {getattr(config, k)!r})" for k in sorted(names - set(PLACEMENT_FIELDS))
@@ -495,12 +506,31 @@ def _restore_config(manifest: dict[str, Any], engine: "EMEngine", config: EMConf
                 "(the saved one is used).")
     saved.update({k: getattr(placement, k) for k in PLACEMENT_FIELDS})
     try:
-        restored = EMConfig(**saved, extra=dict(placement.extra))
+        restored = EMConfig(**saved)
         restored.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
     except (ConfigError, TypeError) as error:
         raise MemoryFileError(f"{target / MANIFEST}: the saved config cannot be used with this engine: {error}") \
             from error
     return restored
+
+
+def _current_config_fields(saved: dict[str, Any], target: Path) -> dict[str, Any]:
+    """The saved config in today's fields: the scorer rebuilt from its description (or from the retrieval_scoring
+    and retrieval_pooling names files of earlier releases hold), removed fields dropped if they held the value kept."""
+    saved = dict(saved)
+    try:
+        if "scorer" in saved:
+            saved["scorer"] = scorer_from_spec(saved["scorer"])
+        else:
+            saved["scorer"] = scorer_from_names(saved.pop("retrieval_scoring", "representatives"),
+                                                saved.pop("retrieval_pooling", "none"))
+    except ValueError as error:
+        raise MemoryFileError(f"{target / MANIFEST}: the saved scorer cannot be rebuilt: {error}") from error
+    for name, readable in REPLACED_FIELDS.items():
+        if name in saved and saved.pop(name) not in readable:
+            raise MemoryFileError(f"{target / MANIFEST}: saved with {name} set to a value this emllm no longer "
+                                  f"supports (only {readable}); read the document again.")
+    return saved
 
 
 def _expected_specs(info: dict[str, Any], model: dict[str, Any]) -> dict[str, dict[str, dict]]:
@@ -609,37 +639,26 @@ def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMCon
                               f"{'; '.join(problems)}.")
 
 
-def _restore_state(memory: EpisodicMemory, state: dict[str, torch.Tensor], info: dict, engine: "EMEngine") -> None:
-    memory.token_ids = state["token_ids"].tolist()
-    memory.surprise = state["surprise"]
-    memory.boundary_flags = state["boundary_flags"]
-    memory.event_starts, memory.event_sizes = state["event_starts"], state["event_sizes"]
-    memory.sinks_split, memory.local_start = bool(info["sinks_split"]), int(info["local_start"])
-    memory.track_surprise = bool(info["track_surprise"])
-    for start, end in info.get("pinned_spans", []):  # files from before pins have none; pin() checks the budget
-        memory.pin(int(start), int(end))
+def _state_dict(state: dict[str, torch.Tensor], info: dict, engine: "EngineLike") -> dict[str, Any]:
+    """The file's tensors and the manifest's scalars as EpisodicMemory.state_dict() gives them."""
+    last_logits = None
     if "last_logits" in state:
         head = engine.model.get_output_embeddings()
-        device = head.weight.device if head is not None else engine.input_device
-        memory.last_logits = state["last_logits"].to(device)
-    window, rotated = info["window_tokens"], info["rotated_tokens"]
-    contiguity = _split(state["contiguity_ids"].tolist(), state["contiguity_counts"].tolist())
-    contiguity_sizes = _split(state["contiguity_sizes"].tolist(), state["contiguity_counts"].tolist())
+        last_logits = state["last_logits"].to(head.weight.device if head is not None else engine.input_device)
+    counts = state["contiguity_counts"].tolist()
+    contiguity = _split(list(zip(state["contiguity_ids"].tolist(), state["contiguity_sizes"].tolist())), counts)
     retrieved = _split(state["retrieved_ids"].tolist(), state["retrieved_counts"].tolist())
-    for i, layer in enumerate(memory.layers):
-        device = layer.device
-        layer.append(state["window_keys"][i].to(device), state["window_values"][i].to(device))  # grows if needed
-        layer.scores[:, :window] = state["window_scores"][i].to(device)
-        layer.rotated[:, :rotated] = state["window_rotated"][i].to(device)
-        layer.rotated_length = rotated
-        layer.sink_keys = state["sink_keys"][i].to(device).clone()
-        layer.sink_values = state["sink_values"][i].to(device).clone()
-        layer.memory_keys, layer.memory_values = layer.sink_keys, layer.sink_values
-        if info["events"]:
-            layer.index.add(state["representatives"][i])
-        layer.contiguity._queue = OrderedDict(zip(contiguity[i], contiguity_sizes[i]))
-        layer.retrieved_ids = tuple(retrieved[i])
-        layer.retrievals = int(state["retrievals"][i])
+    layers = [{name: state[name][i] for name in ("window_keys", "window_values", "window_rotated", "window_scores",
+                                                  "sink_keys", "sink_values", "representatives")}
+              | {"contiguity": contiguity[i], "retrieved_ids": retrieved[i], "retrievals": int(state["retrievals"][i])}
+              for i in range(len(counts))]
+    for layer in layers:  # the file's layers share one stacked tensor; each layer keeps its own sinks
+        layer["sink_keys"], layer["sink_values"] = layer["sink_keys"].clone(), layer["sink_values"].clone()
+    return {"token_ids": state["token_ids"].tolist(), "surprise": state["surprise"],
+            "boundary_flags": state["boundary_flags"], "event_starts": state["event_starts"],
+            "event_sizes": state["event_sizes"], "last_logits": last_logits, "sinks_split": bool(info["sinks_split"]),
+            "local_start": int(info["local_start"]), "track_surprise": bool(info["track_surprise"]),
+            "pinned_spans": [tuple(span) for span in info.get("pinned_spans", [])], "layers": layers}
 
 
 def _split(flat: list[int], counts: list[int]) -> list[list[int]]:
@@ -686,15 +705,3 @@ def _stream_kv(store: PageStore, path: Path, entry: dict, info: dict) -> None:
     if digest.hexdigest() != entry["blake2b"]:
         raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one saved (corrupted, "
                               "or a file from another save).")
-
-
-def _restore_retrieved(memory: EpisodicMemory) -> None:
-    """Gather each layer's retrieved events from the store again: the same KV the layer held when saved."""
-    for layer in memory.layers:
-        if not layer.retrieved_ids:
-            continue
-        ids = torch.tensor(layer.retrieved_ids, dtype=torch.long)
-        tokens = token_index_of_events(ids, memory.event_starts, memory.event_sizes)
-        keys, values = memory.store.gather(layer.layer_index, tokens, layer.device)
-        layer.memory_keys = torch.cat([layer.sink_keys, keys], dim=1)
-        layer.memory_values = torch.cat([layer.sink_values, values], dim=1)

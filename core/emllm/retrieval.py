@@ -6,10 +6,8 @@ A chunk's query is the mean of its queries over positions and over the query hea
 score(event) = dot(query, representative) is the head-summed attention logit of an average query on an average
 important key: the k-NN approximation of softmax attention the paper argues for (appendix E).
 
-With retrieval_scoring="attention" events are instead ranked by the attention the chunk's queries would give their
-tokens (attention_mass_per_event): exact, but every stored key of the layer is read at each retrieval. With
-"attention_for_questions" only the forwards that answer (a prompt's question, generated tokens) are ranked so, each
-by the attention of all the answer's queries so far; the document is read with the representatives.
+Other ways to rank events (attention mass, question-only, pooling, pins) are scorers in scoring.py, built from the
+parts here; forward.retrieve composes them into the events a layer attends to.
 
 Similarity buffer: the best-scoring events, in score order, until its token budget is used.
 Contiguity buffer: a queue of the +-n neighbours of retrieved events; newest in, oldest out once its token budget
@@ -20,9 +18,13 @@ retrieved text keeps its original sequence.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .memory import EpisodicMemory, LayerMemory
 
 
 class RepresentativeIndex:
@@ -131,10 +133,13 @@ class ContiguityBuffer:
         self.neighbours = neighbours
         self._queue: "OrderedDict[int, int]" = OrderedDict()  # event id -> size
 
-    def fork(self) -> "ContiguityBuffer":
-        child = ContiguityBuffer(self.budget, self.neighbours)
-        child._queue = OrderedDict(self._queue)
-        return child
+    def entries(self) -> list[tuple[int, int]]:
+        """(event id, size) oldest first: the queue's whole state, for saving and forking."""
+        return list(self._queue.items())
+
+    def load(self, entries: list[tuple[int, int]]) -> None:
+        """Replace the queue with entries() of another buffer."""
+        self._queue = OrderedDict((int(event), int(size)) for event, size in entries)
 
     def update(self, retrieved: list[int], sizes: list[int] | torch.Tensor, num_events: int) -> list[int]:
         """Enqueue the neighbours of this step's retrieved events (best first); return the queue minus those
@@ -153,6 +158,14 @@ class ContiguityBuffer:
         while self._queue and sum(self._queue.values()) > self.budget:
             self._queue.popitem(last=False)
         return [e for e in self._queue if e not in chosen]
+
+
+def gather_events(memory: "EpisodicMemory", layer: "LayerMemory",
+                  event_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored keys and values [kv, n, d] of these events for one layer, events in the order given."""
+    ids = torch.tensor(event_ids, dtype=torch.long)
+    tokens = token_index_of_events(ids, memory.event_starts, memory.event_sizes)
+    return memory.store.gather(layer.layer_index, tokens, layer.device)
 
 
 def token_index_of_events(event_ids: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ EXPECTED_PRESETS = {
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
-                       "surprise_window", "contiguity_neighbours", "decode_retrieve_every", "page_tokens",
+                       "surprise_window", "contiguity_neighbours", "page_tokens",
                        "faiss_min_events"]
 
 
@@ -121,7 +121,7 @@ def test_unknown_field_names_the_typo_and_lists_valid_fields():
 
 @pytest.mark.parametrize("field, value", [
     ("segmentation", "random"), ("refinement", "spectral"), ("attention", "sliding"),
-    ("retrieval_backend", "annoy"), ("retrieval_scoring", "bm25"), ("memory_positions", "sequential"),
+    ("retrieval_backend", "annoy"), ("memory_positions", "sequential"),
 ])
 def test_unknown_choice_names_field_and_choices(field, value):
     with pytest.raises(ConfigError) as info:
@@ -142,7 +142,7 @@ def test_positive_int_fields_reject_bad_values(field, value):
 
 def test_positive_int_fields_accept_one():
     config = EMConfig(n_local=1, n_mem=1, chunk_size=1, min_block_size=1, max_block_size=1, repr_topk=1,
-                      surprise_window=1, contiguity_neighbours=1, decode_retrieve_every=1, page_tokens=1,
+                      surprise_window=1, contiguity_neighbours=1, page_tokens=1,
                       faiss_min_events=1, n_init=0)
     assert config.max_position() == 0 + 1 + 2 * 1 + 1
 
@@ -224,10 +224,12 @@ def test_max_input_tokens(value):
     assert EMConfig(max_input_tokens=1).max_input_tokens == 1
 
 
-@pytest.mark.parametrize("layers", [(-1,), (0, -2), (1.5,)])
-def test_refine_layers_must_be_non_negative_ints(layers):
-    with pytest.raises(ConfigError, match="refine_layers"):
-        EMConfig(refine_layers=layers)
+@pytest.mark.parametrize("value", ["attention", None, 3])
+def test_a_scorer_that_is_not_a_scorer_object_is_refused_with_the_fix(value):
+    with pytest.raises(ConfigError) as info:
+        EMConfig(scorer=value)
+    message = str(info.value)
+    assert "scorer" in message and repr(value) in message and "Representatives()" in message
 
 
 # ----------------------------------------------------------------------------- validate_for_model
@@ -284,11 +286,3 @@ def test_full_attention_skips_the_position_check():
     config.validate_for_model(max_positions=8, num_layers=4)
 
 
-@pytest.mark.parametrize("attention", ["episodic", "full"])
-def test_refine_layers_beyond_the_model(attention):
-    config = small(refine_layers=(1, 4), attention=attention)
-    with pytest.raises(ConfigError) as info:
-        config.validate_for_model(max_positions=10_000, num_layers=4)
-    message = str(info.value)
-    assert "refine_layers" in message and "0..3" in message
-    small(refine_layers=(0, 3)).validate_for_model(max_positions=10_000, num_layers=4)

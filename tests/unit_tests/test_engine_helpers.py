@@ -289,29 +289,6 @@ def test_normalize_messages_without_merge_keeps_turns():
     assert normalize_messages(turns) == [{"role": "user", "content": "a\n\nb"}]
 
 
-# ----------------------------------------------------------------------------- segmenting as another preset
-def test_a_plain_read_segmented_as_a_preset_cuts_the_events_that_preset_cuts():
-    """The segmentation benchmark reads each text once with plain attention and asks how each preset would cut it:
-    that must be what a memory of that preset cuts on the same tokens (before anything is evicted)."""
-    from emllm import EMConfig
-
-    from .tiny import TINY, tiny_engine, token_ids
-
-    layout = {**TINY, "n_local": 96}  # nothing is evicted from a 64-token read
-    ids = token_ids(64, seed=4)
-    plain = tiny_engine("full", **layout)
-    read = plain.new_memory()
-    read.track_surprise = True
-    plain.read(read, ids)
-    for preset in ("S", "SM", "SC", "F", "FM"):
-        config = EMConfig.from_preset(preset, **layout)
-        own = plain.new_memory(config)
-        plain.read(own, ids)
-        assert own.num_events == 0  # still all in the window
-        assert read.segment(64, config).tolist() == own.segment(64).tolist(), preset
-    assert read.segment(64, EMConfig.from_preset("F", **layout)).tolist() == list(range(8, 64, 8))
-    with pytest.raises(ValueError, match="gamma=1.0.*needs a memory read with those"):
-        read.segment(64, EMConfig.from_preset("S", **{**layout, "gamma": 0.5}))
 
 
 def test_inspection_lists_every_event_start_including_the_one_at_the_window():

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from emllm import ConfigError, EMConfig, EMEngine, GenerationResult, StorageFullError
 from emllm.storage import PageStore
+from emllm.scoring import AttentionMass, ForQuestions, Pooled, Representatives
 
 from .tiny import TINY, VOCAB, tiny_engine, token_ids
 
@@ -70,12 +71,12 @@ def valid_configs(draw) -> dict:
         refinement=draw(st.sampled_from(["none", "modularity", "conductance"])),
         gamma=draw(st.floats(-3, 3, allow_nan=False)), surprise_window=draw(st.integers(1, 128)),
         min_block_size=draw(st.integers(1, (max_block + 1) // 2)), max_block_size=max_block,
-        refine_layers=draw(st.sampled_from([None, (0,), (1,), (0, 1)])), repr_topk=draw(st.integers(1, 6)),
+        repr_topk=draw(st.integers(1, 6)),
         contiguity=contiguity, contiguity_neighbours=draw(st.integers(1, 3)),
         retrieval_backend=draw(st.sampled_from(["auto", "torch", "faiss"])),
-        retrieval_scoring=draw(st.sampled_from(["representatives", "attention"])),
-        memory_positions=draw(st.sampled_from(["fixed", "ordered"])), read_question_alone=draw(st.booleans()),
-        faiss_min_events=draw(st.sampled_from([1, 20_000])), decode_retrieve_every=draw(st.integers(1, 4)),
+        scorer=draw(st.sampled_from([Representatives(), AttentionMass(), ForQuestions(), Pooled(ForQuestions())])),
+        memory_positions=draw(st.sampled_from(["fixed", "ordered"])),
+        faiss_min_events=draw(st.sampled_from([1, 20_000])),
         attention=draw(st.sampled_from(["episodic"] * 5 + ["full"])), page_tokens=draw(st.integers(1, 32)),
         ram_budget_mb=draw(st.sampled_from([None, 0, 0.01])))
 
@@ -130,16 +131,15 @@ BAD_VALUES = {
     # field: values it must refuse
     **{name: [0, -1, 1.5, True, "8", None] for name in (
         "n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk", "surprise_window",
-        "contiguity_neighbours", "decode_retrieve_every", "page_tokens", "faiss_min_events")},
+        "contiguity_neighbours", "page_tokens", "faiss_min_events")},
     "n_init": [-1, 2.5, False, "4", None],
     "segmentation": ["Surprise", "", None, 1],
     "refinement": ["modular", None, 0],
     "attention": ["sparse", None],
     "retrieval_backend": ["cuda", None],
-    "retrieval_scoring": ["exact", None],
+    "scorer": ["attention", None, 3],
     "contiguity": [1.0, -0.1, math.nan, math.inf, "0.3", True],
     "gamma": [math.nan, math.inf, -math.inf, "1", None, True],
-    "refine_layers": [(-1,), ("0",), (0.5,), 3, (True,)],
     "ram_budget_mb": [-1, math.nan, "10", True],
     "device_budget_mb": [-0.5, math.nan, "1"],
     "disk_budget_mb": [-1, math.nan, "5", False],
@@ -189,9 +189,6 @@ def test_unknown_fields_and_impossible_layouts_are_config_errors(engine, fields,
     too_wide = EMConfig.from_preset("SM", **{**fields, "n_local": 600})  # valid alone, beyond the model's 512
     with pytest.raises(ConfigError, match="n_local"):
         engine.new_memory(too_wide)
-    beyond = EMConfig.from_preset("SM", **{**fields, "refine_layers": (2,)})  # the model has layers 0 and 1
-    with pytest.raises(ConfigError, match="refine_layers"):
-        engine.new_memory(beyond)
 
 
 # ============================================================================ token ids

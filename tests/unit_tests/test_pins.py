@@ -7,6 +7,8 @@ import pytest
 
 from emllm.persistence import load_memory, save_memory
 
+from emllm.scoring import AttentionMass, Representatives
+
 from .tiny import tiny_engine, token_ids
 
 
@@ -19,9 +21,9 @@ def _read_then_pin(engine, span: tuple[int, int], before: int = 120, after: int 
     return memory
 
 
-@pytest.mark.parametrize("scoring", ["representatives", "attention"])
-def test_pinned_events_are_in_every_layer_after_each_retrieval(scoring):
-    engine = tiny_engine("S", retrieval_scoring=scoring)
+@pytest.mark.parametrize("scorer", [Representatives(), AttentionMass()], ids=["representatives", "attention"])
+def test_pinned_events_are_in_every_layer_after_each_retrieval(scorer):
+    engine = tiny_engine("S", scorer=scorer)
     span = (20, 30)
     pinned = _read_then_pin(engine, span)
     free = engine.new_memory()

@@ -1,4 +1,4 @@
-"""read_question_alone: a prompt's last paragraph (its question) is read in forwards of its own, so the retrieval
+"""A prompt's last paragraph (its question) is read in forwards of its own, so the retrieval
 that serves the answer is driven by the question's queries, not by a chunk that is mostly document.
 
 A tiny random Llama runs the real engine; the chat-template cases use the real SmolLM2 tokenizer (smol_engine)."""
@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emllm import EMConfig, EMEngine, MemoryPool
-from emllm.config import ConfigError
-from emllm.memory import LayerMemory
+from emllm import EMEngine, MemoryPool
+from emllm.scoring import AttentionMass, ForQuestions, Pooled
 
-from .tiny import tiny_engine, token_ids
+from .tiny import Recording, tiny_engine, token_ids
 
 CHUNK = 16  # tiny.TINY's chunk_size
 
@@ -81,9 +80,9 @@ def test_with_the_real_chat_template_the_question_starts_at_its_turn(smol_engine
         "Who sent it?<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("alone, forwards", [(True, [CHUNK] * 6 + [4, 10]), (False, [CHUNK] * 6 + [14])])
-def test_the_question_gets_forwards_of_its_own_unless_turned_off(monkeypatch, alone, forwards):
-    engine = tiny_engine("S", read_question_alone=alone)
+def test_the_question_gets_forwards_of_its_own(monkeypatch):
+    forwards = [CHUNK] * 6 + [4, 10]
+    engine = tiny_engine("S")
     sizes = forward_sizes(monkeypatch, engine)
     result = engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=3)
     assert sizes[:len(forwards)] == forwards and sizes[len(forwards):] == [1] * (result.output_tokens - 1)
@@ -91,7 +90,7 @@ def test_the_question_gets_forwards_of_its_own_unless_turned_off(monkeypatch, al
 
 def test_one_call_equals_reading_the_document_first_then_asking():
     """The split is exactly the README's two-step recipe: same forwards, so the same retrieval and answer."""
-    engine = tiny_engine("S", retrieval_scoring="attention", retrieval_pooling="cumulative")
+    engine = tiny_engine("S", scorer=Pooled(AttentionMass()))
     text = f"{DOCUMENT}\n\n{QUESTION}"
     ids, question_start = engine.encode_prompt(text)
     one_call = engine.new_memory()
@@ -129,23 +128,17 @@ def test_a_question_start_already_read_changes_nothing(monkeypatch):
     memory.close()
 
 
-def test_a_non_boolean_setting_is_refused():
-    with pytest.raises(ConfigError, match="read_question_alone must be True or False"):
-        EMConfig(read_question_alone="yes")
-
-
 def test_attention_for_questions_scores_by_attention_only_the_answering_forwards(monkeypatch):
-    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
-    flags: list[bool] = []
-    forward_sizes(monkeypatch, engine, flags)
     scored_in: list[int] = []  # the forward each attention-scoring call came from
-    real = LayerMemory._attention_mass
+    flags: list[bool] = []
 
-    def spy(self, queries, memory, scaling):
-        scored_in.append(len(flags) - 1)
-        return real(self, queries, memory, scaling)
+    class Spy(AttentionMass):
+        def score(self, step):
+            scored_in.append(len(flags) - 1)
+            return super().score(step)
 
-    monkeypatch.setattr(LayerMemory, "_attention_mass", spy)
+    engine = tiny_engine("S", scorer=ForQuestions(answering=Spy()))
+    forward_sizes(monkeypatch, engine, flags)
     result = engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=3)
     assert flags == [False] * 7 + [True] * result.output_tokens  # the question, then each generated token's
     assert set(scored_in) == {i for i, answering in enumerate(flags) if answering}  # those, by attention; no other
@@ -155,7 +148,7 @@ def test_attention_for_questions_scores_by_attention_only_the_answering_forwards
 
 
 def test_a_memory_pool_asks_a_token_id_question_in_answering_forwards(monkeypatch):
-    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
+    engine = tiny_engine("S", scorer=ForQuestions())
     flags: list[bool] = []
     forward_sizes(monkeypatch, engine, flags)
     pool = MemoryPool(engine, engine.config)
@@ -170,7 +163,7 @@ def test_a_memory_pool_asks_a_token_id_question_in_answering_forwards(monkeypatc
 
 def test_attention_for_questions_keeps_the_key_copy_current_while_reading():
     """So the first question pays only for its own scoring, not for copying every stored key at once."""
-    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
+    engine = tiny_engine("S", scorer=ForQuestions())
     memory = engine.new_memory()
     engine.read(memory, token_ids(300, seed=4))
     assert memory.store.num_tokens > 0
@@ -182,28 +175,12 @@ def test_attention_for_questions_keeps_the_key_copy_current_while_reading():
     memory.close()
 
 
-def layer0_scoring(monkeypatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Records layer 0's own attention mass at each attention-scored forward, and the accumulated mass it ranked
-    by when it accumulated (attention_for_questions' answering forwards)."""
-    own: list[torch.Tensor] = []
-    ranked_by: list[torch.Tensor] = []
-    real_mass, real_add = LayerMemory._attention_mass, LayerMemory._add_to_answer
-
-    def mass(self, queries, memory, scaling):
-        result = real_mass(self, queries, memory, scaling)
-        if self.layer_index == 0:
-            own.append(result.clone())
-        return result
-
-    def add(self, scores):
-        result = real_add(self, scores)
-        if self.layer_index == 0:
-            ranked_by.append(result.clone())
-        return result
-
-    monkeypatch.setattr(LayerMemory, "_attention_mass", mass)
-    monkeypatch.setattr(LayerMemory, "_add_to_answer", add)
-    return own, ranked_by
+def layer0_scoring(scorer) -> tuple[object, Recording, Recording]:
+    """A scorer recording layer 0's own attention mass at each attention-scored forward (``own``), and, around
+    ``scorer(own)``, what the composition ranked by (``ranked``)."""
+    own = Recording(AttentionMass())
+    ranked = Recording(scorer(own))
+    return ranked, own, ranked  # the scorer to configure is the outer recording itself
 
 
 def padded_sum(masses: list[torch.Tensor]) -> torch.Tensor:
@@ -216,23 +193,31 @@ def padded_sum(masses: list[torch.Tensor]) -> torch.Tensor:
 def test_attention_for_questions_ranks_by_all_of_the_answers_queries_so_far(monkeypatch):
     """A generated token's query alone is a noisy guide to what the answer needs; each answering forward ranks by
     the attention of the question's queries and of every answer token so far. A new prompt starts afresh."""
-    engine = tiny_engine("S", retrieval_scoring="attention_for_questions")
-    own, ranked_by = layer0_scoring(monkeypatch)
+    scorer, own_calls, ranked_calls = layer0_scoring(lambda own: ForQuestions(answering=own))
+    engine = tiny_engine("S", scorer=scorer)
     memory = engine.new_memory()
     first = engine.generate(f"{DOCUMENT}\n\n{QUESTION}", memory=memory, max_new_tokens=4)
+    own = own_calls.layer_scores(0)
+    ranked_by = [scores for (scores, answering), layer in zip(ranked_calls.calls, ranked_calls.layers)
+                 if answering and layer == 0]
     assert len(own) == len(ranked_by) == first.output_tokens == 4  # the question's forward, then 3 tokens' (the
     for step in range(len(own)):                                    # last token is sampled, never read)
         torch.testing.assert_close(ranked_by[step], padded_sum(own[:step + 1]))
     assert ranked_by[-1][:len(own[0])].sum() > own[0].sum()  # the question's mass is still in the last ranking
-    own.clear(), ranked_by.clear()
+    own_calls.calls.clear(), own_calls.layers.clear(), ranked_calls.calls.clear(), ranked_calls.layers.clear()
     follow_up = engine.tokenize(f"{DOCUMENT}\n\n{QUESTION}") + first.token_ids[:-1] + engine.tokenize(" t40 t41")
     engine.generate(follow_up, memory=memory, max_new_tokens=2)  # all of it answering: token ids, one chunk
+    own = own_calls.layer_scores(0)
+    ranked_by = [scores for (scores, answering), layer in zip(ranked_calls.calls, ranked_calls.layers)
+                 if answering and layer == 0]
     torch.testing.assert_close(ranked_by[0], own[0])  # the new prompt's question ranks afresh
     memory.close()
 
 
-def test_attention_scoring_everywhere_ranks_each_forward_by_its_own_queries(monkeypatch):
-    engine = tiny_engine("S", retrieval_scoring="attention")
-    own, ranked_by = layer0_scoring(monkeypatch)
-    engine.generate(f"{DOCUMENT}\n\n{QUESTION}", max_new_tokens=3)
-    assert len(own) > 3 and ranked_by == []
+def test_attention_scoring_everywhere_ranks_each_forward_by_its_own_queries():
+    own = Recording(AttentionMass())
+    engine = tiny_engine("S", scorer=own)
+    memory = engine.new_memory()
+    engine.generate(f"{DOCUMENT}\n\n{QUESTION}", memory=memory, max_new_tokens=3)
+    assert len(own.layer_scores(0)) > 3 and all(layer.answer_mass is None for layer in memory.layers)  # none summed
+    memory.close()

@@ -49,3 +49,38 @@ def token_ids(n, seed=0, vocab=VOCAB):
     while len(out) < n:
         out.extend(rng.choice(phrases) if rng.random() < 0.6 else [rng.randrange(2, vocab)])
     return out[:n]
+
+
+class Recording:
+    """A scorer that scores as ``inner`` does and keeps every score vector it returned (with the forward's plan), so
+    tests see what ranked the events without patching the engine."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple[torch.Tensor, bool]] = []  # (scores, answering)
+        self.layers: list[int] = []                       # the layer each call scored
+
+    @property
+    def uses_stored_keys(self) -> bool:
+        from emllm.scoring import uses_stored_keys
+
+        return uses_stored_keys(self.inner)
+
+    def layer_scores(self, layer: int) -> list[torch.Tensor]:
+        return [scores for (scores, _), index in zip(self.calls, self.layers) if index == layer]
+
+    def score(self, step):
+        scores = self.inner.score(step)
+        self.calls.append((scores.clone(), step.plan.answering))
+        self.layers.append(step.layer.layer_index)
+        return scores
+
+
+class Fixed:
+    """A scorer returning given scores: the composition under test gets known inputs."""
+
+    def __init__(self, scores: torch.Tensor):
+        self.scores = scores
+
+    def score(self, step):
+        return self.scores

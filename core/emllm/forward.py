@@ -1,0 +1,83 @@
+"""What one layer does with its memory in one forward, in order: store, retrieve, attend.
+
+transformers calls ``layer_attention`` in place of each decoder layer's attention (attention.install registers it).
+It keeps the chunk's keys and values in the layer's window, retrieves events as the forward's RetrievalPlan says
+(scorers rank them, the budgets pick them, their KV is gathered from the store) and only then calls the pure
+attention over exactly that KV. Retrieval needs this layer's queries, which exist only inside the model's forward:
+that is why it runs here, before attention, rather than before the forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_received, episodic_attention, group_heads
+from .memory import EpisodicMemory, LayerMemory
+from .retrieval import fill_budget, gather_events
+from .scoring import Pinned, ScoringStep, rank_events
+
+
+def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                    emllm_memory: EpisodicMemory | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The AttentionInterface function: query [1, heads, q, d], key/value [1, kv_heads, q, d], un-rotated (the
+    rotary module is made the identity; rope.py rotates). Returns [1, q, heads, d]."""
+    if emllm_memory is None:
+        raise RuntimeError("This model's attention is managed by emllm: run it through EMEngine (which passes an "
+                           "episodic memory), or load a fresh copy of the model for plain use.")
+    if query.shape[0] != 1:
+        raise ValueError(f"emllm attention runs one sequence per memory (batch 1), got batch {query.shape[0]}; "
+                         "give each conversation its own EpisodicMemory.")
+    memory = emllm_memory
+    layer = memory.layers[module.layer_idx]
+    q, d, kv_heads = query.shape[2], query.shape[3], key.shape[1]
+    scaling = d ** -0.5 if scaling is None else scaling
+
+    layer.append(key[0], value[0])
+    window = layer.length
+    rope = layer.rope
+    rope.ensure(window)
+    q_local = rope.rotate(query, torch.arange(window - q, window, device=query.device))  # [1, heads, q, d]
+    keys, values = layer.window_keys()[None], layer.window_values()[None]                # [1, kv, window, d]
+    q_memory = memory_keys = None
+    if memory.has_memory_part:
+        fixed = memory.config.memory_positions == "fixed"
+        retrieving = memory.plan.retrieve and layer.index.size
+        # Retrieval ranks with the query at the fixed memory distance under either position rule.
+        q_fixed = group_heads(rope.rotate_at(query, memory.config.n_local), kv_heads) if fixed or retrieving else None
+        if retrieving:
+            retrieve(layer, memory, q_fixed[0], scaling)                                 # q_fixed [1, kv, g*q, d]
+        if fixed:
+            q_memory, memory_keys = q_fixed, layer.memory_keys
+        else:  # ordered: memory keys at 0..m-1, the window's queries right after them
+            m = layer.memory_keys.shape[1]
+            q_memory = group_heads(rope.rotate(query, torch.arange(m + window - q, m + window, device=query.device)),
+                              kv_heads)
+            memory_keys = layer.ordered_memory_keys()
+        memory_keys = memory_keys[None]
+    out, lse = episodic_attention(q_local, keys, values, q_memory, memory_keys,
+                                  layer.memory_values[None], scaling)                   # [1, heads, q, d]
+    if memory.config.attention == "episodic":
+        layer.scores[:, :window] += attention_received(q_local, keys, lse, scaling)
+    return out.transpose(1, 2), None  # [1, q, heads, d]
+
+
+def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, scaling: float) -> None:
+    """Choose this layer's events for the forward from its queries [kv, rows, d] (rotated at the fixed memory
+    distance) and load their KV after the sinks: the config's scorer ranks (pinned events first), the similarity
+    budget takes the best, the contiguity buffer adds their neighbours."""
+    config = memory.config
+    sizes = memory.event_sizes
+    candidates = min(layer.index.size, config.similarity_tokens // config.min_block_size + 1)
+    pinned = memory.pinned_events()
+    scorer = Pinned(config.scorer, tuple(pinned)) if pinned else config.scorer
+    if layer.keeps_key_copy:  # kept current while reading, so an answering forward finds it filled
+        layer.stored_keys(memory.store)
+    step = ScoringStep(layer, queries, scaling, sizes, memory.store, memory.plan, candidates)
+    similar = fill_budget(rank_events(scorer.score(step), candidates), sizes, config.similarity_tokens).tolist()
+    neighbours = layer.contiguity.update(similar, sizes, layer.index.size)
+    chosen = tuple(sorted(set(similar).union(neighbours)))
+    layer.retrievals += 1
+    if chosen != layer.retrieved_ids:
+        layer.set_retrieved(chosen, *gather_events(memory, layer, chosen)) if chosen else layer.set_retrieved(())
+

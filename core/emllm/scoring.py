@@ -1,0 +1,205 @@
+"""Which stored events a layer attends to: scorers, small objects with one method each, composed.
+
+A scorer gives every stored event of one layer a score for the forward being run (higher: retrieve first). The
+retriever (retrieval.retrieve) takes the best-scored events that fit the similarity budget, adds the contiguity
+buffer's neighbours and loads their KV; attention then attends to exactly that. Scorers hold no state: what they
+accumulate lives in the forward's RetrievalPlan (shared by the layers of one forward) or in the layer's memory
+(shared by the forwards of one answer), so one scorer object serves every memory, fork and thread.
+
+    EMConfig(scorer=Representatives())                     # the paper: k-NN over representative keys (default)
+    EMConfig(scorer=Pooled(ForQuestions()))                 # the needle recipe: attention ranks the question's
+                                                            #   events, pooled over layers
+    EMConfig(scorer=ForQuestions(answering=AttentionMass()))  # compose your own
+
+Pins (EpisodicMemory.pin) are applied by the retriever around whatever scorer the config names (``Pinned``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from .retrieval import ATTENTION_SCORING_ROWS, attention_mass_per_event
+
+if TYPE_CHECKING:
+    from .memory import LayerMemory
+    from .storage import PageStore
+
+
+@dataclass
+class RetrievalPlan:
+    """What one forward's layers do with memory, decided by the engine before the forward runs."""
+
+    retrieve: bool = True
+    """Rank and load events in this forward (a layer with no stored events has nothing to rank)."""
+    answering: bool = False
+    """A question's or a generated token's forward: ForQuestions ranks these by attention."""
+    pool: torch.Tensor | None = None
+    """[e] Pooled's running sum of standardised scores over this forward's layers so far."""
+
+
+@dataclass
+class ScoringStep:
+    """Everything a scorer may read to score one layer's events in one forward."""
+
+    layer: "LayerMemory"
+    queries: torch.Tensor       # [kv, rows, d] the forward's queries, rotated at the fixed memory distance
+    scaling: float              # the model's attention scaling (1/sqrt(d) unless the model says otherwise)
+    event_sizes: torch.Tensor   # [e] tokens per stored event
+    store: "PageStore"
+    plan: RetrievalPlan
+    candidates: int | None      # only this many best events need exact scores; None: every event's score
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        """[e] float32, one score per stored event of step.layer (higher: retrieve first; -inf: never)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Representatives:
+    """The paper's retrieval: the forward's mean query dotted with each event's representative key (the mean key of
+    its most-attended tokens). Cheap and independent of memory size; with faiss only the best ``candidates`` events
+    are scored exactly, the rest get -inf."""
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        index = step.layer.index
+        mean_query = step.queries.float().mean(dim=1).reshape(-1)                             # [kv * d]
+        if step.candidates is None or not index.uses_faiss():
+            return index.scores(mean_query)
+        top, ids = index.search(mean_query, step.candidates)
+        return torch.full((index.size,), float("-inf"), device=top.device).index_copy_(0, ids, top.float())
+
+
+@dataclass(frozen=True)
+class AttentionMass:
+    """The attention a strided sample of the forward's queries (at most 256 rows per KV head) would give each
+    event's stored tokens under one softmax over all of them: what full attention over the memory would look at.
+    Reads every stored key of the layer (a float32 copy of them with no memory budget, the pages otherwise)."""
+
+    uses_stored_keys = True
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        queries = step.queries
+        sample = queries[:, ::max(1, -(-queries.shape[1] // ATTENTION_SCORING_ROWS))]         # [kv, <=256, d]
+        keys = step.layer.stored_keys(step.store)                                              # [kv, n, d]
+        # Summed over rows, so forwards of different lengths add up in proportion to their queries.
+        return attention_mass_per_event(sample, keys, step.event_sizes, step.scaling) * sample.shape[1]
+
+
+@dataclass(frozen=True)
+class ForQuestions:
+    """``reading`` for the forwards that read a document, ``answering`` for the forwards that answer (a prompt's
+    question and every generated token), each answering forward ranking by the sum of what all the answer's
+    forwards so far gave each event: one generated token's query is a noisy guide (at 128K the token before the
+    number dropped the needle from 23 to 15 of 30 layers). Reading keeps the paper's cost; the question decides."""
+
+    reading: Scorer = Representatives()
+    answering: Scorer = AttentionMass()
+
+    @property
+    def uses_stored_keys(self) -> bool:
+        return uses_stored_keys(self.reading) or uses_stored_keys(self.answering)
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        if not step.plan.answering:
+            return self.reading.score(step)
+        return step.layer.add_to_answer(self.answering.score(dataclasses.replace(step, candidates=None)))
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """Each layer ranks by the sum of its own and every earlier layer's standardised scores in the same forward (mean
+    0, deviation 1, so no layer's scale dominates): a fact a question points at is often found first by a few middle
+    layers, and pooled, their evidence reaches every later layer instead of staying in those few."""
+
+    inner: Scorer = Representatives()
+
+    @property
+    def uses_stored_keys(self) -> bool:
+        return uses_stored_keys(self.inner)
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        scores = self.inner.score(dataclasses.replace(step, candidates=None)).float()
+        spread = scores.std() if scores.numel() > 1 else scores.new_tensor(0.0)
+        standard = (scores - scores.mean()) / spread.clamp_min(1e-12)
+        pool = step.plan.pool
+        step.plan.pool = standard if pool is None or pool.shape != standard.shape else pool.to(standard.device) + standard
+        return step.plan.pool
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """``inner``'s scores with the events holding pinned spans (EpisodicMemory.pin) at +inf, so they are retrieved
+    first, in input order, inside the similarity budget."""
+
+    inner: Scorer
+    events: tuple[int, ...]
+
+    @property
+    def uses_stored_keys(self) -> bool:
+        return uses_stored_keys(self.inner)
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        scores = self.inner.score(step).float().clone()
+        scores[list(self.events)] = float("inf")
+        return scores
+
+
+def uses_stored_keys(scorer: Scorer) -> bool:
+    """Whether the scorer reads every stored key of a layer (the layer then keeps its float32 key copy current)."""
+    return bool(getattr(scorer, "uses_stored_keys", False))
+
+
+def rank_events(scores: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Event ids best first (CPU): every +inf (pinned) event in input order, then the best ``candidates`` others;
+    events scored -inf are left out."""
+    pinned = torch.nonzero(scores == float("inf")).flatten()
+    k = min(scores.numel(), candidates + pinned.numel())
+    top, ids = torch.topk(scores, k)
+    ranked = ids[torch.isfinite(top)]
+    return torch.cat([pinned, ranked]).to("cpu")
+
+
+SCORINGS = ("representatives", "attention", "attention_for_questions")
+POOLINGS = ("none", "cumulative")
+
+
+def scorer_from_names(scoring: str = "representatives", pooling: str = "none") -> Scorer:
+    """The scorer the command line's --retrieval-scoring and --retrieval-pooling name."""
+    base: dict[str, Scorer] = {"representatives": Representatives(), "attention": AttentionMass(),
+                               "attention_for_questions": ForQuestions()}
+    if scoring not in base:
+        raise ValueError(f"retrieval scoring must be one of {SCORINGS}, got {scoring!r}.")
+    if pooling not in POOLINGS:
+        raise ValueError(f"retrieval pooling must be one of {POOLINGS}, got {pooling!r}.")
+    return Pooled(base[scoring]) if pooling == "cumulative" else base[scoring]
+
+
+# ---------------------------------------------------------------------- saving a scorer with a memory
+BUILT_IN: dict[str, type] = {cls.__name__: cls for cls in (Representatives, AttentionMass, ForQuestions, Pooled)}
+
+
+def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:
+    """A JSON-able description of a built-in scorer composition (a saved memory records how it ranks events)."""
+    name = type(scorer).__name__
+    if BUILT_IN.get(name) is not type(scorer):
+        raise TypeError(f"{name} is not one of emllm's scorers ({', '.join(BUILT_IN)}): a memory using it cannot be "
+                        "saved, because loading could not rebuild it. Compose the built-in scorers instead.")
+    return {"type": name, **{f.name: scorer_to_spec(getattr(scorer, f.name)) for f in dataclasses.fields(scorer)}}
+
+
+def scorer_from_spec(spec: Any) -> Scorer:
+    """The scorer scorer_to_spec described; ValueError naming what is wrong otherwise."""
+    if not isinstance(spec, dict) or spec.get("type") not in BUILT_IN:
+        raise ValueError(f"not a description of one of emllm's scorers ({', '.join(BUILT_IN)}): {spec!r}")
+    cls = BUILT_IN[spec["type"]]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    if set(spec) - {"type"} != fields:
+        raise ValueError(f"{spec['type']} takes {sorted(fields)}, the description has {sorted(set(spec) - {'type'})}")
+    return cls(**{name: scorer_from_spec(spec[name]) for name in fields})
