@@ -213,3 +213,31 @@ PRESETS: dict[str, dict[str, Any]] = {
     "full": dict(attention="full"),
 }
 _PRESET_ALIASES = {name.upper(): name for name in PRESETS}
+
+
+def reference_markdown() -> str:
+    """docs/config.md: one row per EMConfig field (name, default, its one-line doc), the presets, from this source,
+    so the page cannot drift from the code (tests/unit_tests/test_config_reference.py compares them)."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(EMConfig))).body[0].body
+    docs = {node.target.id: " ".join(next_node.value.value.split())
+            for node, next_node in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(next_node, ast.Expr)
+            and isinstance(next_node.value, ast.Constant) and isinstance(next_node.value.value, str)}
+    defaults = EMConfig()
+    rows = [f"| `{f.name}` | `{getattr(defaults, f.name)!r}` | {docs.get(f.name, '')} |"
+            for f in dataclasses.fields(EMConfig)]
+    presets = [f"| `{name}` | {', '.join(f'{k}={v!r}' for k, v in fields.items())} |" for name, fields in PRESETS.items()]
+    return "\n".join([
+        "# EMConfig reference", "",
+        "Generated from `core/emllm/config.py` by `make docs` (`emllm.config.reference_markdown()`); a test keeps it "
+        "current.",
+        f"Every field can be passed to `EMEngine.from_pretrained(...)`, `EMConfig.from_preset(...)` and the adapters' "
+        f"`config=`. The default preset is `{DEFAULT_PRESET}`.", "",
+        "| field | default | what it does |", "|---|---|---|", *rows, "",
+        "## Presets (the paper's names)", "", "| preset | fields it sets |", "|---|---|", *presets, "",
+        "Scorers (`emllm.scoring`): `Representatives()` (the paper's k-NN), `AttentionMass()`, "
+        "`ForQuestions(reading, answering)`, `Pooled(inner)`; compose them, e.g. `scorer=Pooled(ForQuestions())`.", ""])

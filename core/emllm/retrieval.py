@@ -57,13 +57,6 @@ class RepresentativeIndex:
         if self._faiss is not None:
             self._faiss.add(np.ascontiguousarray(vectors.detach().to("cpu", torch.float32).numpy()))
 
-    def fork(self) -> "RepresentativeIndex":
-        """An independent copy (vectors copied; a faiss index is rebuilt lazily from them when searched)."""
-        child = RepresentativeIndex(self.dim, self.device, self.backend, self.faiss_min_events)
-        child._vectors = self._vectors[: self.size].clone()
-        child.size = self.size
-        return child
-
     def uses_faiss(self) -> bool:
         return self.backend == "faiss" or (self.backend == "auto" and self.size >= self.faiss_min_events)
 
