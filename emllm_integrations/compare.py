@@ -8,7 +8,8 @@ EM-LLM reads every document once into a MemoryPool (one pinned checkpoint) and a
 question reads only its own few tokens. RAG embeds 300-word chunks once and, per question, puts the top 5 into
 the same template (``qa_prompt``) for the same LLM under plain full attention. What each method looked at is kept:
 the retrieved chunks for RAG, and for EM-LLM the document spans its episodic retrieval held in attention when the
-answer began (``GenerationResult.retrieved_events``, mapped from token positions back to the documents).
+answer began (``GenerationResult.retrieved_events``, mapped from token positions back to the documents by
+``emllm_integrations.sources``, as the LlamaIndex query engine maps them).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
-from .prompts import document_starts, format_context, qa_suffix
-from .rag import CHUNK_WORDS, TOP_K, RAGBaseline, _check_order, _check_positive, _check_question, check_documents
+from .prompts import qa_suffix
+from .rag import CHUNK_WORDS, TOP_K, RAGBaseline
+from .sources import context_tokens, event_spans
 
 METHODS = ("em-llm", "rag")
 
@@ -95,41 +98,6 @@ def _preview(row: ComparisonRow, chars: int, items: int) -> str:
     return "; ".join(parts) + (f"; … {more} more" if more > 0 else "")
 
 
-# ---------------------------------------------------------------------- EM-LLM retrieval -> document spans
-@dataclass(frozen=True)
-class DocumentSpan:
-    doc_id: int
-    start_char: int             # within the document
-    end_char: int
-    text: str
-    layers: int                 # how many layers held this event in attention
-
-
-def context_tokens(engine: Any, documents: Sequence[str]) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-    """The documents' context (joined as in the prompt) as token ids, each token's character span in it, and
-    where each document starts in it. The ids are exactly engine.tokenize(context)."""
-    context = format_context(documents)
-    ids, offsets = engine.tokenize_with_offsets(context)
-    return ids, offsets, document_starts(documents)
-
-
-def event_spans(events: Sequence[Any], offsets: Sequence[tuple[int, int]], doc_starts: Sequence[int],
-                documents: Sequence[str]) -> list[DocumentSpan]:
-    """Retrieved events (absolute token spans of the prompt) as spans of the source documents, in document order.
-    Tokens past the context (the question) and separators between documents are not part of any document."""
-    spans = []
-    for event in events:
-        start, end = max(event.start, 0), min(event.end, len(offsets))
-        if start >= end:
-            continue
-        a, b = offsets[start][0], offsets[end - 1][1]
-        for i, (doc, s) in enumerate(zip(documents, doc_starts)):
-            lo, hi = max(a, s), min(b, s + len(doc))
-            if lo < hi:
-                spans.append(DocumentSpan(i, lo - s, hi - s, doc[lo - s:hi - s], event.layers))
-    return sorted(spans, key=lambda sp: (sp.doc_id, sp.start_char))
-
-
 # ---------------------------------------------------------------------- the comparison
 def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str = "SM", embedding: Any = "minilm",
             max_new_tokens: int = 64, top_k: int = TOP_K, chunk_words: int = CHUNK_WORDS,
@@ -143,10 +111,10 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
 
     documents = check_documents(documents)
     questions = _check_questions(questions)
-    _check_positive("max_new_tokens", max_new_tokens)
-    _check_positive("top_k", top_k)
-    _check_positive("chunk_words", chunk_words)
-    _check_order(context_order)
+    check_positive("max_new_tokens", max_new_tokens)
+    check_positive("top_k", top_k)
+    check_positive("chunk_words", chunk_words)
+    check_order(context_order)
     config = EMConfig.from_preset(preset, **engine_fields)
 
     rag = RAGBaseline(embedding, chunk_words, top_k, llm_model, context_order=context_order, dtype=dtype)
@@ -197,7 +165,7 @@ def _check_questions(questions: Any) -> list[str]:
         raise ValueError("The question list is empty: give at least one question.")
     for i, q in enumerate(questions):
         try:
-            _check_question(q)
+            check_question(q)
         except (TypeError, ValueError) as error:
             raise type(error)(f"Question {i}: {error}") from None
     return questions

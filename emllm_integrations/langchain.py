@@ -17,7 +17,7 @@ Why it looks the way it does:
   with the reused part as ``input_token_details["cache_read"]``). Concurrent calls (``batch``, ``abatch``) each
   generate in their own memory, so they never mix.
 * **Async without blocking.** The engine is synchronous CPU work: async calls run it in a thread and pass the text
-  deltas back through an ``asyncio.Queue``.
+  deltas back through an ``asyncio.Queue`` (``emllm_integrations.async_bridge``, shared with the LlamaIndex adapter).
 * **Text only.** Messages become ``{"role", "content"}`` turns rendered by the model's chat template (the engine
   merges consecutive same-role turns or folds system turns only when a template rejects them). A message ``name``
   is kept by prefixing the content (``"alice: hi"``), since chat templates drop it. Images, audio, files, tool
@@ -34,11 +34,10 @@ was retrieved in 26 of 30 layers; with the question first (it stays among the at
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +55,15 @@ from emllm.engine import check_sampling
 from emllm.sessions import shared_pool
 from emllm.models import is_embedded_available, resolve_model_dir
 
+from .async_bridge import iterate_in_thread
+from .sampling import sampling_options
+
 #: EMConfig fields, settable on ChatEMLLM by name (``ChatEMLLM(n_local=1024)``).
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EMConfig) if f.name != "extra")
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.7)`` or ``llm.bind(max_tokens=16)``).
 CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed")
 
 _ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
-_END = object()
 
 
 class ChatEMLLM(BaseChatModel):
@@ -228,41 +229,14 @@ class ChatEMLLM(BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        """``_stream`` in a worker thread; chunks come back through a queue so the event loop keeps running."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        abandoned = threading.Event()
-
-        def put(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: nobody is listening any more
-                abandoned.set()
-
-        def work() -> None:
-            chunks = self._stream(messages, stop=stop, **kwargs)
-            try:
-                for chunk in chunks:
-                    put(chunk)
-                    if abandoned.is_set():
-                        break
-                put(_END)
-            except BaseException as error:  # handed to the awaiting side, which raises it
-                put(error)
-            finally:
-                chunks.close()
-
-        context = contextvars.copy_context()
-        threading.Thread(target=context.run, args=(work,), name="ChatEMLLM", daemon=True).start()
-        try:
-            while (item := await queue.get()) is not _END:
-                if isinstance(item, BaseException):
-                    raise item
-                if run_manager and item.text:
-                    await run_manager.on_llm_new_token(item.text, chunk=item)
-                yield item
-        finally:
-            abandoned.set()  # the worker stops at its next delta if we were cancelled or closed early
+        """``_stream`` in a worker thread (see async_bridge): the event loop keeps running while the model works."""
+        # aclosing: a consumer that stops early stops the worker now, not when the bridge is garbage-collected.
+        async with aclosing(iterate_in_thread(lambda: self._stream(messages, stop=stop, **kwargs),
+                                              name="ChatEMLLM")) as chunks:
+            async for chunk in chunks:
+                if run_manager and chunk.text:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
         """This call's model and sampling options: per-call values over the instance's, checked before any work."""
@@ -271,12 +245,10 @@ class ChatEMLLM(BaseChatModel):
         if unknown:
             raise TypeError(f"Unknown call option(s) {unknown} for ChatEMLLM; per-call options are "
                             f"{', '.join(CALL_OPTIONS)} (and stop).")
-        options = {"max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
-                   "temperature": kwargs.get("temperature", self.temperature),
-                   "top_p": kwargs.get("top_p", self.top_p), "top_k": kwargs.get("top_k", self.top_k),
-                   "seed": kwargs.get("seed", self.seed), "stop": stop if stop is not None else self.stop}
-        check_sampling(options["max_new_tokens"], options["temperature"], options["top_p"], options["top_k"],
-                       length_name="max_tokens")
+        options = sampling_options(kwargs.get("max_tokens", self.max_tokens),
+                                   kwargs.get("temperature", self.temperature), kwargs.get("top_p", self.top_p),
+                                   kwargs.get("top_k", self.top_k), kwargs.get("seed", self.seed),
+                                   stop if stop is not None else self.stop)
         return kwargs.get("model"), options
 
 

@@ -14,11 +14,8 @@ the query engine owns its pool, whose pinned checkpoint is the documents.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import os
-import threading
-from bisect import bisect_left, bisect_right
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -33,12 +30,14 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
-from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, RetrievedEvent, TextStream
-from emllm.engine import check_sampling
+from emllm import DEFAULT_MODEL, EMConfig, GenerationResult, MemoryPool, TextStream
 from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
 
-from .prompts import document_starts, format_context, qa_suffix
+from .async_bridge import iterate_in_thread
+from .prompts import qa_suffix
+from .sampling import sampling_options
+from .sources import document_shares, tokenize_documents
 
 DEFAULT_CONTEXT_WINDOW = 1 << 20
 """What EMLLM reports as its context window when ``max_input_tokens`` is not set. The episodic memory has no fixed
@@ -56,16 +55,6 @@ SAVE_KIND = "emllm-query-engine/1"  # what EMLLMQueryEngine.save() puts in a sav
 
 
 # ---------------------------------------------------------------------- shared pieces
-def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-                     stop: Sequence[str] | None) -> dict[str, Any]:
-    """Validated keyword arguments for MemoryPool.stream: checked here so a bad value fails before any reading."""
-    check_sampling(max_tokens, temperature, top_p, top_k, length_name="max_tokens")
-    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) for s in stop)):
-        raise TypeError(f"stop must be a list of strings, got {stop!r}.")
-    return dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                stop=list(stop) if stop else None)
-
-
 def usage(result: GenerationResult) -> dict[str, Any]:
     """Token counts and timings in the names LlamaIndex's token counter looks for (prompt_/completion_tokens)."""
     return {"prompt_tokens": result.input_tokens, "completion_tokens": result.output_tokens,
@@ -89,51 +78,6 @@ def deltas_with_result(stream: TextStream) -> Iterator[tuple[str, GenerationResu
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
-
-
-async def iterate_in_thread(make: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
-    """Run a blocking iterator in its own thread and hand its items to the event loop through a queue, so the
-    loop keeps serving other tasks while the model reads and generates. ``make`` is called in that thread too
-    (the first call may load the weights). If the consumer stops early, the thread stops at the next item and
-    closes the iterator there."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def put(item: tuple[str, Any]) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            cancelled.set()
-
-    def work() -> None:
-        iterator = None
-        try:
-            iterator = iter(make())
-            for item in iterator:
-                if cancelled.is_set():
-                    break
-                put(("item", item))
-            put(("done", None))
-        except BaseException as error:  # handed to the consumer, re-raised there
-            put(("error", error))
-        finally:
-            close = getattr(iterator, "close", None)
-            if close is not None:
-                close()
-
-    context = contextvars.copy_context()  # instrumentation spans and callbacks see the caller's context
-    threading.Thread(target=context.run, args=(work,), name="emllm-stream", daemon=True).start()
-    try:
-        while True:
-            kind, value = await queue.get()
-            if kind == "done":
-                return
-            if kind == "error":
-                raise value
-            yield value
-    finally:
-        cancelled.set()
 
 
 # ---------------------------------------------------------------------- the LLM
@@ -296,7 +240,7 @@ def _chat(result: GenerationResult | None, text: str | None = None, delta: str |
                         additional_kwargs=completion.additional_kwargs, raw=completion.raw)
 
 
-# ---------------------------------------------------------------------- documents -> token spans
+# ---------------------------------------------------------------------- documents
 def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = MetadataMode.NONE) -> list[str]:
     """Each node's text, refusing what cannot be read: no nodes, non-nodes, images, empty text."""
     if isinstance(nodes, (str, bytes)) or not isinstance(nodes, Sequence):
@@ -317,44 +261,6 @@ def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = Metadata
                              "or give it text (e.g. a caption or transcript).")
         texts.append(text)
     return texts
-
-
-def tokenize_documents(engine: EMEngine, texts: Sequence[str]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of the joined context (exactly ``engine.tokenize(format_context(texts))``) and each document's
-    token span [start, end) in it. Spans come from the tokenizer's character offsets; the separator after a
-    document counts as that document's, so the spans tile the context."""
-    context = format_context(texts)
-    char_starts = document_starts(texts)
-    if getattr(engine.tokenizer, "is_fast", False):
-        ids, offsets = engine.tokenize_with_offsets(context)
-        return ids, spans_from_offsets(char_starts, [end for _, end in offsets])
-    # A slow tokenizer has no offsets: count the tokens of each growing prefix instead (a token merged across a
-    # separator may be credited to the neighbouring document).
-    ids = engine.tokenize(context)
-    ends = [engine.count_tokens(format_context(texts[:i + 1])) for i in range(len(texts) - 1)] + [len(ids)]
-    return ids, list(zip([0] + ends[:-1], ends))
-
-
-def spans_from_offsets(char_starts: Sequence[int], token_ends: Sequence[int]) -> list[tuple[int, int]]:
-    """Each document's token span, a token belonging to the document that holds its last character."""
-    owners = [bisect_right(char_starts, max(end - 1, 0)) - 1 for end in token_ends]
-    return [(bisect_left(owners, d), bisect_right(owners, d)) for d in range(len(char_starts))]
-
-
-def document_shares(spans: Sequence[tuple[int, int]], events: Sequence[RetrievedEvent]) -> list[float]:
-    """Per document, its share of what episodic retrieval brought into attention: retrieved tokens inside its
-    span, weighted by how many layers retrieved them, over the total (0 for all if nothing was retrieved)."""
-    weights = [0.0] * len(spans)
-    starts = [start for start, _ in spans]
-    for event in events:
-        d = max(bisect_right(starts, event.start) - 1, 0)
-        while d < len(spans) and spans[d][0] < event.end:
-            overlap = min(spans[d][1], event.end) - max(spans[d][0], event.start)
-            if overlap > 0:
-                weights[d] += overlap * event.layers
-            d += 1
-    total = sum(weights)
-    return [w / total if total else 0.0 for w in weights]
 
 
 # ---------------------------------------------------------------------- the query engine

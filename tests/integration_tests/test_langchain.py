@@ -14,7 +14,7 @@ from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 
 from emllm import sessions
-from emllm.tasks import PASSKEY_QUESTION, passkey_document
+from emllm_integrations.bench.tasks import PASSKEY_QUESTION, passkey_document
 from emllm_integrations.langchain import ChatEMLLM, to_engine_messages
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)

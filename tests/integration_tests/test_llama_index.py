@@ -18,9 +18,10 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.core.llms import ChatMessage
 
-from emllm_integrations.llama_index import EMLLM, EMLLMQueryEngine, tokenize_documents
+from emllm_integrations.llama_index import EMLLM, EMLLMQueryEngine
 from emllm_integrations.prompts import format_context
-from emllm_integrations.rag import SentenceTransformerEmbedding  # all-MiniLM-L6-v2, local
+from emllm_integrations.rag.llama_index import SentenceTransformerEmbedding  # all-MiniLM-L6-v2, local
+from emllm_integrations.sources import tokenize_documents
 
 from .conftest import SMALL
 

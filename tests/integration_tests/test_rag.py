@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 
 from emllm.sessions import shared_engine
-from emllm.tasks import PASSKEY_NOISE
+from emllm_integrations.bench.tasks import PASSKEY_NOISE
 from emllm_integrations.compare import compare
 from emllm_integrations.prompts import format_context, qa_prompt, qa_suffix
-from emllm_integrations.rag import RAGBaseline, RAGRetriever, rag_chain, rag_query_engine
+from emllm_integrations.rag import RAGBaseline
+from emllm_integrations.rag.langchain import RAGRetriever, rag_chain
+from emllm_integrations.rag.llama_index import rag_query_engine
 
 from .conftest import SMALL
 

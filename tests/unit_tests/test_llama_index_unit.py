@@ -15,9 +15,10 @@ from llama_index.core.schema import Document, ImageDocument, MetadataMode, TextN
 
 from emllm import ConfigError, GenerationResult, RetrievedEvent, TextStream
 from emllm.sessions import loaded_engines
+from emllm_integrations.async_bridge import iterate_in_thread
 from emllm_integrations.llama_index import (DEFAULT_CONTEXT_WINDOW, EMLLM, EMLLMQueryEngine, deltas_with_result,
-                                            document_shares, iterate_in_thread, node_texts, spans_from_offsets,
-                                            to_engine_messages)
+                                            node_texts, to_engine_messages)
+from emllm_integrations.sources import document_shares, spans_from_offsets
 
 MISSING = "/nonexistent/emllm-test-model"  # loading this would raise "Unknown model"
 PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"

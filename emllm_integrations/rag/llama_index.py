@@ -1,0 +1,163 @@
+"""The RAG baseline in LlamaIndex: the same embedding, 300-word chunking, faiss index, context order and QA
+template as ``RAGBaseline``, as stock LlamaIndex pieces (an embedding, a node parser, a ``VectorStoreIndex`` over
+a ``FaissVectorStore``, a node postprocessor and a ``RetrieverQueryEngine``). Of the two frameworks it imports only
+LlamaIndex; see ``emllm_integrations.rag``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import faiss
+from llama_index.core import Document as LlamaDocument
+from llama_index.core import StorageContext, VectorStoreIndex
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.node_parser.interface import TextSplitter
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.vector_stores.faiss import FaissVectorStore
+
+from ..checks import check_order, check_positive
+from ..prompts import QA_SUFFIX
+from . import CHUNK_WORDS, TOP_K, split_words
+from .embeddings import encode, load_embedding_model
+
+
+class SentenceTransformerEmbedding(BaseEmbedding):
+    """A local sentence-transformers model as a LlamaIndex embedding (normalised vectors; never downloads)."""
+
+    model_name: str = Field(default="minilm", description="A known embedding name or a local model directory.")
+    device: str | None = Field(default=None, description="torch device; None = CPU.")
+    _model: Any = PrivateAttr()
+
+    def __init__(self, model_name: str = "minilm", device: str | None = None, **kwargs: Any):
+        super().__init__(model_name=str(model_name), device=device, **kwargs)
+        self._model = load_embedding_model(model_name, device=device)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SentenceTransformerEmbedding"
+
+    @property
+    def dimension(self) -> int:
+        return self._model.get_embedding_dimension()
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return encode(self._model, [query])[0].tolist()
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return self._get_query_embedding(query)
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return encode(self._model, [text])[0].tolist()
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return encode(self._model, texts, self.embed_batch_size).tolist()
+
+
+class WordSplitter(TextSplitter):
+    """LlamaIndex node parser cutting text into chunks of ``chunk_words`` words (the paper's protocol counts
+    words, not tokens), each a slice of the original text."""
+
+    chunk_words: int = Field(default=CHUNK_WORDS, gt=0, description="Words per chunk (the last one shorter).")
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "WordSplitter"
+
+    def split_text(self, text: str) -> list[str]:
+        return [span.text for span in split_words(text, self.chunk_words)]
+
+
+class DocumentOrder(BaseNodePostprocessor):
+    """Puts retrieved nodes in document order (source document, then position in it): see ``emllm_integrations.rag``.
+    Nodes from documents it does not know keep their retrieval order, after the others."""
+
+    doc_rank: dict[str, int] = Field(default_factory=dict)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "DocumentOrder"
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+                           ) -> list[NodeWithScore]:
+        def key(item: tuple[int, NodeWithScore]) -> tuple[int, int]:
+            i, n = item
+            if n.node.ref_doc_id in self.doc_rank:
+                return self.doc_rank[n.node.ref_doc_id], n.node.start_char_idx or 0
+            return len(self.doc_rank), i
+
+        return [n for _, n in sorted(enumerate(nodes), key=key)]
+
+
+def to_llama_documents(documents: Sequence[Any]) -> list[LlamaDocument]:
+    """Strings become Documents with a ``doc_id`` metadata that is kept out of the embedded and prompted text
+    (so both frameworks embed and prompt exactly the chunk text); Documents pass through unchanged."""
+    if isinstance(documents, (str, LlamaDocument)) or not isinstance(documents, Sequence):
+        raise TypeError("Pass a list of documents (strings or llama_index Documents).")
+    if not documents:
+        raise ValueError("The document list is empty: give at least one document to index.")
+    out = []
+    for i, doc in enumerate(documents):
+        if isinstance(doc, LlamaDocument):
+            if not doc.text.strip():
+                raise ValueError(f"Document {i} is empty or only whitespace: remove it or give it text.")
+            out.append(doc)
+        elif not isinstance(doc, str):
+            raise TypeError(f"Document {i} is a {type(doc).__name__}, not text: pass strings or llama_index "
+                            "Documents.")
+        elif not doc.strip():
+            raise ValueError(f"Document {i} is empty or only whitespace: remove it or give it text.")
+        else:
+            out.append(LlamaDocument(text=doc, metadata={"doc_id": i}, excluded_embed_metadata_keys=["doc_id"],
+                                     excluded_llm_metadata_keys=["doc_id"]))
+    return out
+
+
+def rag_index(documents: Sequence[Any], *, embedding: Any = "minilm", chunk_words: int = CHUNK_WORDS,
+              embed_model: BaseEmbedding | None = None) -> VectorStoreIndex:
+    """A VectorStoreIndex over a FaissVectorStore (inner product over normalised vectors = cosine), chunked
+    into ``chunk_words``-word nodes. The embedding is passed explicitly: LlamaIndex's global default is a
+    hosted model."""
+    check_positive("chunk_words", chunk_words)
+    docs = to_llama_documents(documents)
+    embed_model = embed_model or SentenceTransformerEmbedding(embedding)
+    dimension = len(embed_model.get_query_embedding("dimension probe"))
+    store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dimension))
+    return VectorStoreIndex.from_documents(docs, storage_context=StorageContext.from_defaults(vector_store=store),
+                                           embed_model=embed_model,
+                                           transformations=[WordSplitter(chunk_words=chunk_words)])
+
+
+def qa_template() -> PromptTemplate:
+    """The shared QA template in LlamaIndex's variables (context_str, query_str)."""
+    return PromptTemplate("{context_str}" + QA_SUFFIX.replace("{question}", "{query_str}"))
+
+
+def rag_query_engine(documents: Sequence[Any] | VectorStoreIndex, llm: Any, *, embedding: Any = "minilm",
+                     chunk_words: int = CHUNK_WORDS, top_k: int = TOP_K, response_mode: str = "compact",
+                     context_order: str = "document") -> RetrieverQueryEngine:
+    """A stock RetrieverQueryEngine: top-k word chunks from a faiss-backed index, optionally put in document
+    order, answered with the shared QA template. ``compact`` packs the chunks joined by blank lines into one
+    prompt when the LLM's context window holds them (so the prompt equals prompts.qa_prompt)."""
+    check_positive("top_k", top_k)
+    check_order(context_order)
+    if response_mode not in ("compact", "simple_summarize"):
+        raise ValueError(f"response_mode must be 'compact' or 'simple_summarize', got {response_mode!r}. (LlamaIndex's "
+                         "simple_summarize joins chunks with one newline, compact with a blank line as ours does.)")
+    if isinstance(documents, VectorStoreIndex):
+        index, docs = documents, None
+    else:
+        docs = to_llama_documents(documents)
+        index = rag_index(docs, embedding=embedding, chunk_words=chunk_words)
+    postprocessors = []
+    if context_order == "document":
+        ranks = {d.doc_id: i for i, d in enumerate(docs)} if docs is not None else \
+            {ref: i for i, ref in enumerate(index.ref_doc_info)}
+        postprocessors.append(DocumentOrder(doc_rank=ranks))
+    return RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=top_k), llm=llm,
+                                          node_postprocessors=postprocessors, response_mode=response_mode,
+                                          text_qa_template=qa_template())

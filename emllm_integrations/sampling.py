@@ -1,0 +1,23 @@
+"""The sampling settings both chat adapters accept, checked and turned into ``MemoryPool.stream`` keywords.
+
+LangChain and LlamaIndex both name the answer length ``max_tokens`` where the engine says ``max_new_tokens``; the
+check runs before anything is read, so a bad per-call value fails at once rather than after a long prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from emllm.engine import check_sampling
+
+
+def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+                     stop: Sequence[str] | None) -> dict[str, Any]:
+    """Validated keyword arguments for MemoryPool.stream. ``stop`` must be a list of strings: a lone string would
+    otherwise be read as one stop string per character."""
+    check_sampling(max_tokens, temperature, top_p, top_k, length_name="max_tokens")
+    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) for s in stop)):
+        raise TypeError(f"stop must be a list of strings, got {stop!r}.")
+    return dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                stop=list(stop) if stop else None)
