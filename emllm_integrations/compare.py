@@ -1,6 +1,6 @@
 """EM-LLM against the RAG baseline in one call, on the same LLM and the same prompt template.
 
-    result = compare(documents, ["Who wrote the letter?", "Where was it sent from?"], preset="SM")
+    result = compare(documents, ["Who wrote the letter?", "Where was it sent from?"], preset="S")
     print(result.to_markdown())
 
 EM-LLM reads every document once into a MemoryPool (one pinned checkpoint) and answers each question as
@@ -18,6 +18,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from emllm import DEFAULT_PRESET
 
 from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
@@ -99,7 +101,8 @@ def _preview(row: ComparisonRow, chars: int, items: int) -> str:
 
 
 # ---------------------------------------------------------------------- the comparison
-def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str = "SM", embedding: Any = "minilm",
+def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str = DEFAULT_PRESET,
+            embedding: Any = "minilm",
             max_new_tokens: int = 64, top_k: int = TOP_K, chunk_words: int = CHUNK_WORDS,
             context_order: str = "document", llm_model: str | None = None, dtype: str = "auto",
             progress: bool = False, **engine_fields: Any) -> ComparisonResult:

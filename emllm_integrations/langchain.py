@@ -1,7 +1,7 @@
 """LangChain chat model on the EM-LLM engine: ``ChatEMLLM``.
 
     from emllm_integrations.langchain import ChatEMLLM
-    llm = ChatEMLLM()                                   # embedded SmolLM2-135M-Instruct, preset "SM", lazy
+    llm = ChatEMLLM()                                   # embedded SmolLM2-135M-Instruct, the default preset, lazy
     llm = ChatEMLLM(model="/path/to/hf/model", preset="S", n_local=1024, n_mem=1024, max_tokens=64)
     chain = ChatPromptTemplate.from_messages([("human", "{document}\\n\\nQuestion: {question}")]) | llm
 
@@ -50,7 +50,7 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.tools import BaseTool
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
-from emllm import DEFAULT_MODEL, EMConfig, EMEngine, GenerationResult, MemoryPool, shared_engine
+from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool, shared_engine
 from emllm.engine import check_sampling
 from emllm.sessions import shared_pool
 from emllm.models import is_embedded_available, resolve_model_dir
@@ -72,7 +72,7 @@ class ChatEMLLM(BaseChatModel):
 
     model_name: str | None = Field(default=None, alias="model")
     """A known embedded model name or a local Hugging Face model directory; None = the embedded default."""
-    preset: str = "SM"
+    preset: str = DEFAULT_PRESET
     """The engine preset: S, SM, SC, S+C, SM+C, F, FM, FC or full."""
     engine_fields: dict[str, Any] = Field(default_factory=dict)
     """EMConfig fields over the preset. Pass them flat (``n_local=1024``); they are collected here."""

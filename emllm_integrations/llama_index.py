@@ -1,7 +1,7 @@
 """LlamaIndex adapters: ``EMLLM`` (an LLM whose attention has an episodic memory) and ``EMLLMQueryEngine`` (every
 document read into that memory once; questions answered by retrieval inside attention instead of chunk retrieval).
 
-    Settings.llm = EMLLM(preset="SM", max_tokens=128)            # no weights are loaded until the first call
+    Settings.llm = EMLLM(preset="S", max_tokens=128)            # no weights are loaded until the first call
     engine = EMLLMQueryEngine.from_documents(documents, preset="S", progress=True)   # reads everything once
     response = engine.query("Who wrote the letter?")            # reads only the question's tokens
     response.source_nodes                                       # documents the retrieved events came from
@@ -30,7 +30,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
-from emllm import DEFAULT_MODEL, EMConfig, GenerationResult, MemoryPool, TextStream
+from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, GenerationResult, MemoryPool, TextStream
 from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
 
@@ -87,7 +87,7 @@ class EMLLM(CustomLLM):
     text. Use it as ``Settings.llm`` in any query or chat engine."""
 
     model: Optional[str] = Field(default=None, description="Embedded model name or local HF dir; None = default.")
-    preset: str = Field(default="SM", description="EM-LLM preset: S, SM, SC, S+C, SM+C, F, FM, FC or full.")
+    preset: str = Field(default=DEFAULT_PRESET, description="EM-LLM preset: S, SM, SC, S+C, SM+C, F, FM, FC or full.")
     temperature: float = Field(default=0.0, description="0 = greedy.")
     max_tokens: int = Field(default=256, description="Tokens to generate per call (LLMMetadata.num_output).")
     top_p: float = 1.0
@@ -102,7 +102,7 @@ class EMLLM(CustomLLM):
     _config: EMConfig = PrivateAttr()
     _pool: Optional[MemoryPool] = PrivateAttr(default=None)
 
-    def __init__(self, model: str | None = None, preset: str = "SM", temperature: float = 0.0,
+    def __init__(self, model: str | None = None, preset: str = DEFAULT_PRESET, temperature: float = 0.0,
                  max_tokens: int = 256, **kwargs: Any):
         """Keywords that are fields of this LLM (top_p, dtype, system_prompt, callback_manager, ...) set them; any
         other keyword is an EMConfig field (n_local=1024, ...). Nothing is loaded until the first call."""
@@ -291,13 +291,13 @@ class EMLLMQueryEngine(CustomQueryEngine):
         self._pool, self._context_ids = pool, context_ids
 
     @classmethod
-    def from_documents(cls, documents: Sequence[BaseNode], model: str | None = None, preset: str = "SM",
+    def from_documents(cls, documents: Sequence[BaseNode], model: str | None = None, preset: str = DEFAULT_PRESET,
                        **kwargs: Any) -> "EMLLMQueryEngine":
         """Whole documents, not chunks: the memory, not a retriever, decides what is relevant."""
         return cls.from_nodes(documents, model=model, preset=preset, **kwargs)
 
     @classmethod
-    def from_nodes(cls, nodes: Sequence[BaseNode], model: str | None = None, preset: str = "SM", *,
+    def from_nodes(cls, nodes: Sequence[BaseNode], model: str | None = None, preset: str = DEFAULT_PRESET, *,
                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                    seed: int | None = None, stop: Sequence[str] | None = None, streaming: bool = False,
                    progress: bool = False, dtype: Any = "auto", device: str | None = None,

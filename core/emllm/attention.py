@@ -2,8 +2,8 @@
 
 forward.layer_attention plugs into transformers through ``AttentionInterface`` (no model class is patched): it
 stores the chunk's KV, retrieves events per the forward's plan, and calls episodic_attention here. The model's
-rotary module is given a forward hook that makes it return identity cos/sin, so layers hand us un-rotated queries and keys; we
-rotate them ourselves with the model's own table (rope.py):
+rotary module is given a forward hook that makes it return identity cos/sin, so layers hand us un-rotated queries and
+keys; we rotate them ourselves with the model's own table (rope.py):
 
     local window   queries at their window position, keys at theirs   -> exact relative positions
     memory part    queries at position n_local, keys at position 0    -> one fixed distance (InfLLM)
@@ -63,7 +63,8 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     kv_heads, window = keys.shape[1], keys.shape[2]
     rows = torch.arange(q - 1, -1, -max(1, q // SCORE_QUERIES), device=q_local.device)  # always includes the last
     sample = q_local[:, :, rows]                                                          # [1, heads, s, d]
-    logits = torch.matmul(group_heads(sample, kv_heads)[0], keys[0].transpose(1, 2)).float() * scaling  # [kv, g*s, window]
+    grouped = group_heads(sample, kv_heads)[0]                                            # [kv, g*s, d]
+    logits = torch.matmul(grouped, keys[0].transpose(1, 2)).float() * scaling            # [kv, g*s, window]
     logits = logits.view(kv_heads, heads // kv_heads, len(rows), window)
     probs = torch.exp(logits - lse[0].view(kv_heads, heads // kv_heads, q)[:, :, rows, None])
     visible = torch.arange(window, device=keys.device)[None, :] <= (window - q + rows)[:, None]  # [s, window]

@@ -230,7 +230,8 @@ def reference_markdown() -> str:
     defaults = EMConfig()
     rows = [f"| `{f.name}` | `{getattr(defaults, f.name)!r}` | {docs.get(f.name, '')} |"
             for f in dataclasses.fields(EMConfig)]
-    presets = [f"| `{name}` | {', '.join(f'{k}={v!r}' for k, v in fields.items())} |" for name, fields in PRESETS.items()]
+    presets = [f"| `{name}` | {', '.join(f'{k}={v!r}' for k, v in fields.items())} |"
+               for name, fields in PRESETS.items()]
     return "\n".join([
         "# EMConfig reference", "",
         "Generated from `core/emllm/config.py` by `make docs` (`emllm.config.reference_markdown()`); a test keeps it "

@@ -217,7 +217,8 @@ class EMEngine:
 
     def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
         """prompt_ids() and where the question starts: the prompt's last paragraph, i.e. the text after its last
-        blank line, or the last message if that starts later. read() gives it forwards of its own. Token ids carry no paragraphs: their question_start is None."""
+        blank line, or the last message if that starts later. read() gives it forwards of its own. Token ids carry
+        no paragraphs: their question_start is None."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
             return EncodedPrompt(ids, self._token_at(prompt, ids, _last_paragraph(prompt, 0)))

@@ -129,7 +129,8 @@ class Pooled:
         spread = scores.std() if scores.numel() > 1 else scores.new_tensor(0.0)
         standard = (scores - scores.mean()) / spread.clamp_min(1e-12)
         pool = step.plan.pool
-        step.plan.pool = standard if pool is None or pool.shape != standard.shape else pool.to(standard.device) + standard
+        fresh = pool is None or pool.shape != standard.shape
+        step.plan.pool = standard if fresh else pool.to(standard.device) + standard
         return step.plan.pool
 
 
