@@ -8,9 +8,10 @@ Reads `emllm bench`'s needle documents (same seed, prompts and layout options as
 with ``--task kv`` its key-value object (read once, asked at every depth from a fork), shows the stored events that
 hold the needle sentence or the asked value (where event boundaries cut it), then asks the question and, for every
 generated token, prints how many of the model's layers hold each of those events in attention when the token is
-chosen, and the model's most likely next tokens. ``--hold`` asks a second time from a fork that keeps the question's
-retrieval for the whole answer (decode_retrieve_every larger than the answer). A needle answered by its first digits
-and a stop shows up here as the event holding the number's end missing from most layers.
+chosen, and the model's most likely next tokens. A needle answered by its first digits and a stop shows up here as
+the event holding the number's end missing from most layers. (``--hold``, a second answer from a fork keeping the
+question's retrieval for the whole answer, went with EMConfig.decode_retrieve_every: the engine now retrieves at
+every generated token.)
 Writes benchmarks/results/answer_trace[_kv][_<model>]_<tokens>_<preset>.md."""
 
 from __future__ import annotations
@@ -23,25 +24,26 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def trace(tokens: int, depths: list[float], preset: str, hold: bool, max_new_tokens: int, task: str = "needle",
+def trace(tokens: int, depths: list[float], preset: str, max_new_tokens: int, task: str = "needle",
           model: str | None = None, **fields) -> list[str]:
     from emllm import EMEngine
+    from emllm_integrations.bench import config_overrides, read_each
 
-    engine = EMEngine.from_pretrained(model, preset=preset, **fields)
+    engine = EMEngine.from_pretrained(model, preset=preset, **config_overrides(fields))
     documents = _documents(task, tokens, depths, engine.count_tokens)
     contexts = [engine.tokenize(text) for text, _ in documents]
     lines = []
-    for (memory, read_seconds), (text, questions), context in zip(engine.read_each(contexts), documents, contexts):
+    for (memory, read_seconds), (text, questions), context in zip(read_each(engine, contexts), documents, contexts):
         for question in questions:
-            lines += _trace_question(engine, memory, text, context, read_seconds, question, hold, max_new_tokens)
+            lines += _trace_question(engine, memory, text, context, read_seconds, question, max_new_tokens)
             print("\n".join(lines[-12:]), flush=True)
         memory.close()
     return lines
 
 
 def _trace_question(engine, memory, text: str, context: list[int], read_seconds: float, question: tuple,
-                    hold: bool, max_new_tokens: int) -> list[str]:
-    """One question asked from forks of a read memory: the needle's events, then a row per generated token."""
+                    max_new_tokens: int) -> list[str]:
+    """One question asked from a fork of a read memory: the needle's events, then a row per generated token."""
     from emllm_integrations.prompts import probe_suffix
 
     depth, needle, asked, lead, expected = question
@@ -55,35 +57,32 @@ def _trace_question(engine, memory, text: str, context: list[int], read_seconds:
         begin, end = int(starts[event]), int(starts[event] + memory.event_sizes[event])
         lines.append(f"- event {event}, tokens {begin}-{end}: {engine.tokenizer.decode(context[begin:end])!r}")
     prompt = context + engine.tokenize(probe_suffix(asked, lead))
-    for held in (False, True) if hold else (False,):
-        asking = memory.fork()
-        if held:  # read only by the generation loop: the question's retrieval serves every answer token
-            asking.config = asking.config.replace(decode_retrieve_every=max_new_tokens + 1)
-        lines += ["", f"{'question retrieval held' if held else 'retrieval at every token'}:", "",
-                  "| answer so far | layers holding each needle event | most likely next tokens |", "|---|---|---|"]
-        answer, started = "", time.perf_counter()
-        for delta in engine.stream(prompt, memory=asking, max_new_tokens=max_new_tokens):
-            holding = [sum(1 for layer in asking.layers if event in layer.retrieved_ids) for event in events]
-            lines.append(f"| {answer!r} | {holding} | {_top(engine, asking.last_logits)} |")
-            answer += delta
-        lines += ["", f"answer {answer.strip()!r} ({'right' if expected in answer else 'wrong'}), "
-                      f"{time.perf_counter() - started:.1f} s"]
-        asking.close()
+    asking = memory.fork()
+    lines += ["", "retrieval at every token:", "",
+              "| answer so far | layers holding each needle event | most likely next tokens |", "|---|---|---|"]
+    answer, started = "", time.perf_counter()
+    for delta in engine.stream(prompt, memory=asking, max_new_tokens=max_new_tokens):
+        holding = [sum(1 for layer in asking.layers if event in layer.retrieved_ids) for event in events]
+        lines.append(f"| {answer!r} | {holding} | {_top(engine, asking.last_logits)} |")
+        answer += delta
+    lines += ["", f"answer {answer.strip()!r} ({'right' if expected in answer else 'wrong'}), "
+                  f"{time.perf_counter() - started:.1f} s"]
+    asking.close()
     return lines + [""]
 
 
 def _documents(task: str, tokens: int, depths: list[float], count_tokens) -> list[tuple[str, list[tuple]]]:
     """The bench's documents for the task, each as (context text, [(depth, needle text, question, answer lead,
     answer)]): a needle haystack per depth, or kv's one JSON object asked at every depth (the needle is the value)."""
-    from emllm.tasks import needle_document
-    from emllm_integrations.bench import BenchSettings, _items, _seed
+    from emllm_integrations.bench import BenchSettings, document_seed, task_items
+    from emllm_integrations.bench.tasks import needle_document
     from emllm_integrations.prompts import format_context
 
     if task == "kv":
-        (item,) = _items("kv", tokens, BenchSettings(("kv",), tuple(depths)), count_tokens)
+        (item,) = task_items("kv", tokens, BenchSettings(("kv",), tuple(depths)), count_tokens)
         return [(format_context(list(item.documents)),
                  [(depth, answer, question, lead, answer) for question, answer, depth, lead in item.questions])]
-    docs = [needle_document(tokens, depth, count_tokens, seed=_seed(0, "needle", tokens, depth)) for depth in depths]
+    docs = [needle_document(tokens, depth, count_tokens, seed=document_seed(0, "needle", tokens, depth)) for depth in depths]
     return [(format_context([doc.context]), [(doc.depth, doc.needle, doc.question, doc.answer_lead, doc.answer)])
             for doc in docs]
 
@@ -97,6 +96,8 @@ def _top(engine, logits, k: int = 4) -> str:
 
 
 def main() -> None:
+    from emllm.scoring import POOLINGS, SCORINGS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--task", choices=["needle", "kv"], default="needle")
     parser.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
@@ -104,13 +105,12 @@ def main() -> None:
     parser.add_argument("--depths", nargs="+", type=float, default=[0.5, 0.9])
     parser.add_argument("--preset", default="S+C")
     parser.add_argument("--n-local", type=int, default=512)
-    parser.add_argument("--retrieval-scoring", default="attention_for_questions")
-    parser.add_argument("--retrieval-pooling", default="cumulative")
+    parser.add_argument("--retrieval-scoring", default="attention_for_questions", choices=SCORINGS)
+    parser.add_argument("--retrieval-pooling", default="cumulative", choices=POOLINGS)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-new-tokens", type=int, default=10)
-    parser.add_argument("--hold", action="store_true", help="also answer with the question's retrieval held")
     args = parser.parse_args()
-    lines = trace(args.tokens, args.depths, args.preset, args.hold, args.max_new_tokens, args.task, args.model,
+    lines = trace(args.tokens, args.depths, args.preset, args.max_new_tokens, args.task, args.model,
                   n_local=args.n_local, retrieval_scoring=args.retrieval_scoring,
                   retrieval_pooling=args.retrieval_pooling, dtype=args.dtype)
     RESULTS.mkdir(exist_ok=True)

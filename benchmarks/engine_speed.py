@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from emllm_integrations.bench import peak_rss_mb
 from emllm_integrations.markdown import table as markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,7 +48,7 @@ def measure(preset: str, length: int, decode_tokens: int, dtype: str) -> dict:
         "prefill_tok_s": (length - engine.config.chunk_size) / prefill,
         "prefill_s": prefill,
         "decode_ms_token": 1000 * result.decode_seconds / max(result.output_tokens, 1),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
         "events": stats["events"], "mean_event_size": stats["mean_event_size"],
     }
 

@@ -20,7 +20,7 @@ from emllm_integrations.markdown import table as markdown_table
 def run(tokens: int, depth: float, preset: str, fields: dict, max_tokens: int) -> list[dict]:
     from langchain_core.messages import AIMessage, HumanMessage
 
-    from emllm.tasks import PASSKEY_QUESTION, passkey_document
+    from emllm_integrations.bench.tasks import PASSKEY_QUESTION, passkey_document
     from emllm_integrations.langchain import ChatEMLLM
 
     llm = ChatEMLLM(preset=preset, max_tokens=max_tokens, **fields)

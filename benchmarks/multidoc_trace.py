@@ -22,13 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from retrieval_scoring import _multidoc_probes  # noqa: E402  (the bench's multidoc item, as its probes read it)
-
-from emllm.tasks import MULTIDOC_FACT  # noqa: E402
+from emllm_integrations.bench import config_overrides, multidoc_probes
+from emllm_integrations.bench.tasks import MULTIDOC_FACT
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# emllm.tasks.MULTIDOC_FACT with its organisation and 6-digit number captured
+# tasks.MULTIDOC_FACT with its organisation and 6-digit number captured
 FACT = re.compile(re.escape(MULTIDOC_FACT).replace(r"\{entity\}", "(.+?)").replace(r"\{answer\}", r"(\d{6})"))
 
 
@@ -36,8 +34,8 @@ def trace(model: str, tokens: int, depths: list[float], preset: str, consensus: 
           **fields) -> list[str]:
     from emllm import EMEngine
 
-    engine = EMEngine.from_pretrained(model, preset=preset, **fields)
-    probes = _multidoc_probes(engine, tokens, depths)
+    engine = EMEngine.from_pretrained(model, preset=preset, **config_overrides(fields))
+    probes = multidoc_probes(engine, tokens, depths)
     context_ids = probes.shared_context
     numbers = _number_spans(engine, engine.tokenizer.decode(context_ids))
     memory = engine.new_memory()
@@ -107,6 +105,8 @@ def _verdict(numbers, expected: str, answer: str) -> str:
 
 
 def main() -> None:
+    from emllm.scoring import POOLINGS, SCORINGS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen")
     parser.add_argument("--tokens", type=int, default=32_768)
@@ -114,8 +114,8 @@ def main() -> None:
     parser.add_argument("--preset", default="S+C")
     parser.add_argument("--n-local", type=int, default=512)
     parser.add_argument("--n-mem", type=int, default=None, help="retrieval budget in tokens (default: EMConfig's)")
-    parser.add_argument("--retrieval-scoring", default="attention_for_questions")
-    parser.add_argument("--retrieval-pooling", default="cumulative")
+    parser.add_argument("--retrieval-scoring", default="attention_for_questions", choices=SCORINGS)
+    parser.add_argument("--retrieval-pooling", default="cumulative", choices=POOLINGS)
     parser.add_argument("--memory-positions", default="fixed")
     parser.add_argument("--consensus", nargs="+", type=int, default=[12, 18, 22],
                         help="the controls: events held by at least this many layers")

@@ -24,7 +24,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def run(methods: list[str], lengths: list[int], depths: list[float], overrides: dict) -> list[dict]:
     from emllm import EMEngine
-    from emllm.tasks import passkey_document
+    from emllm_integrations.bench import config_overrides
+    from emllm_integrations.bench.tasks import passkey_document
 
     rows = []
     grid = [(m, n, d) for m in methods for n in lengths for d in depths]
@@ -32,7 +33,7 @@ def run(methods: list[str], lengths: list[int], depths: list[float], overrides: 
     for method, length, depth in tqdm(grid, desc="passkey", unit="doc"):
         if method not in engines:
             engines[method] = EMEngine.from_pretrained(preset=method, progress=False,
-                                                       **({} if method == "full" else overrides))
+                                                       **({} if method == "full" else config_overrides(overrides)))
         engine = engines[method]
         doc = passkey_document(length, depth, engine.count_tokens, seed=int(depth * 1000) + length)
         started = time.perf_counter()
@@ -58,7 +59,8 @@ def main() -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[32768])
     parser.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                        help="engine fields for the EM-LLM methods, e.g. n_local=1024 n_mem=1024")
+                        help="engine fields for the EM-LLM methods, e.g. n_local=1024 n_mem=1024 "
+                             "retrieval_scoring=attention (as emllm bench's flags)")
     args = parser.parse_args()
     overrides = {k: int(v) if v.isdigit() else v for k, v in (item.split("=", 1) for item in args.set)}
     rows = run(args.methods, args.lengths, args.depths, overrides)

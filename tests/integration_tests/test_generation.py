@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from emllm import MemoryMismatchError
-from emllm.tasks import passkey_document
+from emllm_integrations.bench.tasks import passkey_document
 
 from .conftest import make_engine
 

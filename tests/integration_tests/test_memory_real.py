@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from emllm.tasks import needle_document, passkey_document
-
 from emllm import EMConfig, EMEngine
+from emllm.scoring import ForQuestions, Pooled
+from emllm_integrations.bench.tasks import needle_document, passkey_document
 
 TOKENS = 3500
 
@@ -136,9 +136,7 @@ def test_the_readme_needle_recipe_answers_an_evicted_essay_needle(smol_fp32):
     benchmarks/README.md has 32K to 128K)."""
     from emllm_integrations.prompts import probe_suffix
 
-    engine = EMEngine(*smol_fp32, EMConfig.from_preset("S+C", n_local=512,
-                                                       retrieval_scoring="attention_for_questions",
-                                                       retrieval_pooling="cumulative"))
+    engine = EMEngine(*smol_fp32, EMConfig.from_preset("S+C", n_local=512, scorer=Pooled(ForQuestions())))
     doc = needle_document(8000, 0.3, engine.count_tokens, seed=7)
     span = (engine.count_tokens(doc.context[:doc.needle_offset]),
             engine.count_tokens(doc.context[:doc.needle_offset + len(doc.needle)]))

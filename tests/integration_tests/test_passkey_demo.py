@@ -13,7 +13,8 @@ import os
 import pytest
 
 from emllm import EMConfig, EMEngine
-from emllm.tasks import passkey_document
+from emllm_integrations.bench import read_each
+from emllm_integrations.bench.tasks import passkey_document
 
 TOKENS = 32_768
 DEPTHS = (0.1, 0.5, 0.9)
@@ -33,14 +34,14 @@ def _ask(engine: EMEngine, depth: float):
 def _ask_at_every_depth(engine: EMEngine):
     """One document per depth, each answered from a memory that read exactly that document.
 
-    The documents are one haystack up to their needles: engine.read_each reads the haystack before each needle once
+    The documents are one haystack up to their needles: the bench's read_each reads the haystack before each needle once
     and forks the memory there, at a chunk boundary, so the answers are those of separate reads while the reading
     drops from 3 documents to about 2.4.
     """
     docs = [passkey_document(TOKENS, depth, engine.count_tokens, seed=int(depth * 1000)) for depth in DEPTHS]
     ids = [engine.tokenize(doc.prompt) for doc in docs]
     answers = []
-    for doc, doc_ids, (memory, _) in zip(docs, ids, engine.read_each(ids)):
+    for doc, doc_ids, (memory, _) in zip(docs, ids, read_each(engine, ids)):
         answers.append((doc, engine.generate(doc_ids, memory=memory, max_new_tokens=8), memory.num_events))
         memory.close()
     return answers

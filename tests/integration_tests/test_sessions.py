@@ -11,7 +11,7 @@ import torch
 
 from emllm import EMConfig, MemoryPool, shared_engine
 from emllm.sessions import loaded_engines
-from emllm.tasks import passkey_document
+from emllm_integrations.bench.tasks import passkey_document
 
 from .conftest import SMALL, make_engine, page_mb
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from emllm import tasks
-from emllm.cli import _length, main
 from emllm_integrations import bench
-from emllm_integrations.bench import ROW_FIELDS, BenchRequirementError, run_bench, summary, write_report
+from emllm_integrations.bench import ROW_FIELDS, BenchRequirementError, run_bench, summary, tasks, write_report
+from emllm_integrations.cli import _length, main
+from emllm_integrations.prompts import probe_suffix
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -89,6 +89,7 @@ def test_report_refuses_empty_or_foreign_rows(tmp_path):
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (dict(threads=0), "threads must be a positive integer"),
     (dict(engine_fields={"n_lokal": 512}), "n_lokal"),
+    (dict(engine_fields={"retrieval_scoring": "bm25"}), "retrieval scoring must be one of"),
 ])
 def test_bad_arguments_are_refused_before_any_model_loads(kwargs, message):
     args = dict(tasks=["passkey"], methods=["S"], lengths=[1024], depths=[0.5])
@@ -105,6 +106,43 @@ def test_missing_essays_stop_the_run_before_it_starts(monkeypatch):
         bench.check_requirements(["passkey", "needle"], ["S"])
     monkeypatch.undo()
     bench.check_requirements(["passkey"], ["S"])  # a run without prose tasks does not need the essays
+
+
+def test_retrieval_flags_become_the_configs_scorer_and_stay_strings_in_the_settings():
+    """--retrieval-scoring/--retrieval-pooling are recorded as given (JSON, compared on resume) and reach EMConfig as
+    one scorer object; every other field passes as it is."""
+    from emllm import EMConfig
+    from emllm.scoring import AttentionMass, ForQuestions, Pooled, Representatives
+
+    fields = {"retrieval_scoring": "attention_for_questions", "retrieval_pooling": "cumulative", "n_local": 256}
+    assert bench.config_overrides(fields) == {"n_local": 256, "scorer": Pooled(ForQuestions())}
+    assert bench.config_overrides({"retrieval_scoring": "attention"}) == {"scorer": AttentionMass()}
+    assert bench.config_overrides({"retrieval_pooling": "cumulative"}) == {"scorer": Pooled(Representatives())}
+    assert bench.config_overrides({"n_mem": 512}) == {"n_mem": 512}
+    assert EMConfig.from_preset("S", **bench.config_overrides(fields)).scorer == Pooled(ForQuestions())
+    record = bench.settings_record(bench.BenchSettings(("passkey",), (0.5,), engine_fields=fields))
+    assert json.loads(json.dumps(record))["engine_fields"] == fields
+
+
+def test_cli_retrieval_flags_reach_the_engine_as_a_scorer(monkeypatch, tmp_path):
+    """`emllm chat`/`demo` build the engine with scorer=scorer_from_names(flags), not with the flag names."""
+    from emllm import EMEngine
+    from emllm.config import DEFAULT_PRESET
+    from emllm.scoring import AttentionMass, Pooled
+
+    seen = {}
+
+    def from_pretrained(model=None, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(EMEngine, "from_pretrained", from_pretrained)
+    document = tmp_path / "doc.txt"
+    document.write_text("Some text.")
+    with pytest.raises(RuntimeError, match="stop here"):
+        main(["chat", "--file", str(document), "--retrieval-scoring", "attention", "--retrieval-pooling",
+              "cumulative", "--n-local", "256"])
+    assert seen == {"preset": DEFAULT_PRESET, "scorer": Pooled(AttentionMass()), "n_local": 256}
 
 
 def test_full_attention_past_its_limit_is_skipped(capsys):
@@ -131,15 +169,15 @@ def _words(text: str) -> int:
 
 def test_kv_asks_every_depth_of_one_json_object_and_every_probe_ends_with_its_answer_lead():
     settings = bench.BenchSettings(("kv",), (0.1, 0.5, 0.9))
-    (item,) = bench._items("kv", 600, settings, _words)  # one object read once, a question per depth
+    (item,) = bench.task_items("kv", 600, settings, _words)  # one object read once, a question per depth
     assert [q[2] for q in item.questions] == [0.1, 0.5, 0.9]
     keys = [q[0].split('"')[1] for q in item.questions]
     assert len(set(keys)) == 3 and all(item.documents[0].count(k) == 1 for k in keys)
     assert all(item.documents[0].index(f'"{k}": "{q[1]}"') >= 0 for k, q in zip(keys, item.questions))
     for question, _, _, lead in item.questions:
-        assert bench.probe_suffix(question, lead).endswith(f'{question} The value associated with the key "'
+        assert probe_suffix(question, lead).endswith(f'{question} The value associated with the key "'
                                                            f'{question.split(chr(34))[1]}" is')
-    passkeys = bench._items("passkey", 600, replace(settings, tasks=("passkey",)), _words)
+    passkeys = bench.task_items("passkey", 600, replace(settings, tasks=("passkey",)), _words)
     assert len(passkeys) == 3 and len({i.questions[0][1] for i in passkeys}) == 3  # a key per depth
     assert {i.questions[0][3] for i in passkeys} == {"The pass key is"}
 
@@ -154,7 +192,7 @@ def test_resume_skips_measured_cells_and_keeps_every_earlier_row(capsys):
 
 
 def test_failed_or_missing_depths_are_run_again():
-    finished = bench._finished_tasks(
+    finished = bench.finished_tasks(
         [_row("passkey", "S", 1024, 0.1, True), _row("passkey", "S", 1024, 0.9, False),  # complete (wrong is fine)
          _row("kv", "S", 1024, 0.1, True), _row("kv", "S", 1024, 0.9, False, error="killed"),  # an error
          _row("needle", "S", 1024, 0.1, True)], [0.1, 0.9])  # a depth missing
@@ -223,7 +261,7 @@ def test_cli_will_not_overwrite_earlier_results_without_resume(tmp_path, capsys)
 ])
 def test_probe_suffix_refuses_an_empty_question_or_lead(question, lead, message):
     with pytest.raises(ValueError, match=message):
-        bench.probe_suffix(question, lead)
+        probe_suffix(question, lead)
 
 
 def test_accuracy_grid_counts_per_method_task_and_length_and_marks_failures():

@@ -1,10 +1,13 @@
-"""EMEngine.read_each: documents that begin alike share their reading, yet each memory is the one a separate read
-gives (same tokens, events, last logits, answer), and no memory is left open."""
+"""The bench's read_each: documents that begin alike share their reading, yet each memory is the one a separate
+read gives (same tokens, events, last logits, answer), and no memory is left open."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from emllm_integrations.bench import read_each
+from emllm_integrations.bench.measure import common_prefix
 
 from .tiny import tiny_engine, token_ids
 
@@ -51,7 +54,7 @@ def test_each_memory_equals_a_separate_read_and_the_haystack_is_read_once(preset
         alone.append(memory)
     counts = _counting_reads(engine, monkeypatch)
     seen = 0
-    for (memory, seconds), ids, reference in zip(engine.read_each(docs), docs, alone):
+    for (memory, seconds), ids, reference in zip(read_each(engine, docs), docs, alone):
         assert seconds > 0
         assert memory.num_events > 0 or preset == "full"
         _assert_same_state(memory, reference, engine)
@@ -69,7 +72,7 @@ def test_each_memory_equals_a_separate_read_and_the_haystack_is_read_once(preset
 def test_documents_that_do_not_share_a_prefix_are_read_separately_and_correctly():
     engine = tiny_engine("S")
     docs = [token_ids(120, seed=1), token_ids(90, seed=2), token_ids(120, seed=1)[:70] + [4] * 30]
-    for (memory, _), ids in zip(engine.read_each(docs), docs):
+    for (memory, _), ids in zip(read_each(engine, docs), docs):
         reference = engine.new_memory()
         engine.read(reference, ids)
         _assert_same_state(memory, reference, engine)
@@ -80,11 +83,33 @@ def test_documents_that_do_not_share_a_prefix_are_read_separately_and_correctly(
 
 def test_stopping_early_closes_the_shared_trunk():
     engine = tiny_engine("S")
-    reads = engine.read_each(_haystack_documents())
+    reads = read_each(engine, _haystack_documents())
     memory, _ = next(reads)
     memory.close()
     reads.close()  # the caller stops after the first document
     assert not [m for m in engine._memories if not m.closed]
+
+
+def test_a_memory_config_of_its_own_is_used_for_every_document():
+    """read_each(engine, docs, config): each memory (the trunk's forks too) is read with that config, as a separate
+    engine.new_memory(config) read would be."""
+    engine = tiny_engine("S")
+    config = engine.config.replace(n_local=48, n_mem=48)
+    docs = _haystack_documents()
+    for (memory, _), ids in zip(read_each(engine, docs, config), docs):
+        assert memory.config == config
+        reference = engine.new_memory(config)
+        engine.read(reference, ids)
+        _assert_same_state(memory, reference, engine)
+        memory.close()
+        reference.close()
+    assert not [m for m in engine._memories if not m.closed]
+
+
+@pytest.mark.parametrize("a, b, shared", [([1, 2, 3], [1, 2, 4], 2), ([1, 2], [1, 2, 3], 2), ([], [1], 0),
+                                          ([5, 6], [7, 6], 0), ([1, 2, 3], [1, 2, 3], 3)])
+def test_common_prefix_counts_the_shared_leading_tokens(a, b, shared):
+    assert common_prefix(a, b) == shared == common_prefix(b, a)
 
 
 def test_a_prompt_that_does_not_extend_the_memory_names_where_it_departs():

@@ -1,0 +1,48 @@
+"""The documents and questions of a task at one length: what every method of a bench cell is asked, and what the
+scripts in benchmarks/ ask to trace the bench's questions one by one."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import tasks as builders
+from .settings import BenchSettings
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One document set read once, and the questions asked about it."""
+    task: str
+    documents: tuple[str, ...]
+    questions: tuple[tuple[str, str, float, str], ...]  # (question, expected answer, depth, answer lead-in)
+
+
+def document_seed(seed: int, task: str, length: int, depth: float) -> int:
+    """A seed per document that every method shares (a stable hash: Python's hash() of a str varies per process).
+    Depth -1 seeds a document set asked at every depth (kv, multidoc)."""
+    return zlib.crc32(f"{seed}:{task}:{length}:{depth:.6f}".encode())
+
+
+def task_items(task: str, length: int, settings: BenchSettings,
+               count_tokens: Callable[[str], int]) -> list[TaskItem]:
+    """The documents of a task at one length, the same for every method (seeded by task, length and depth)."""
+    if task == "multidoc":
+        qa = builders.multidoc_documents(length, list(settings.depths), count_tokens,
+                                         seed=document_seed(settings.seed, task, length, -1.0),
+                                         doc_tokens=min(settings.multidoc_tokens_per_doc, length))
+        return [TaskItem(task, qa.documents, tuple((q.question, q.answer, q.depth, q.answer_lead)
+                                                   for q in qa.questions))]
+    if task == "kv":  # one JSON object per length, a question per depth (a pair further in): read once
+        first = builders.kv_document(length, settings.depths[0], count_tokens,
+                                     seed=document_seed(settings.seed, task, length, -1.0))
+        docs = [first.asking_at(depth) for depth in settings.depths]
+        return [TaskItem(task, (docs[0].context,), tuple((d.question, d.answer, d.depth, d.answer_lead)
+                                                         for d in docs))]
+    build = {"passkey": builders.passkey_document, "needle": builders.needle_document}[task]
+    items = []
+    for depth in settings.depths:  # one haystack, a needle (with its own answer) per depth: see read_each
+        doc = build(length, depth, count_tokens, seed=document_seed(settings.seed, task, length, depth))
+        items.append(TaskItem(task, (doc.context,), ((doc.question, doc.answer, depth, doc.answer_lead),)))
+    return items

@@ -1,0 +1,196 @@
+"""What a bench run is: its names and defaults, its settings, the checks on its arguments and extras (all made
+before any model loads), and resuming from an earlier run's rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+TASKS = ("passkey", "needle", "kv", "multidoc")
+RAG_METHODS = {"rag-minilm": "minilm", "rag-mpnet": "mpnet"}
+DEFAULT_METHODS = ("S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
+DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
+# Plain full attention is quadratic (32K tokens take about 10 minutes on 2 cores) and past the trained context
+# it cannot answer anyway: longer cells are skipped unless asked for.
+FULL_MAX_TOKENS = 32_768
+EXTRAS = "pip install 'emllm-integrations[rag,langchain,llama-index,notebooks]'"
+ROW_FIELDS = ("task", "method", "length", "tokens", "depth", "question", "expected", "output", "correct",
+              "prefill_seconds", "query_seconds", "decode_ms_per_token", "output_tokens", "tokens_read",
+              "peak_rss_mb", "mean_event_size", "error")
+SETTINGS_FILE = "bench-settings.json"  # beside bench.json: what a resumed run must match
+SCORER_FIELDS = {"retrieval_scoring": "scoring", "retrieval_pooling": "pooling"}
+"""Engine fields named as the command line's flags, turned into EMConfig(scorer=scorer_from_names(...)) by
+config_overrides: the bench's settings and JSON keep these strings (a scorer object is not JSON)."""
+
+
+class BenchRequirementError(RuntimeError):
+    """Something the requested run needs is not installed (an extra, the essays, an embedding model)."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Everything a cell needs besides its method and length; JSON-able, so a subprocess gets exactly the same."""
+    tasks: tuple[str, ...]
+    depths: tuple[float, ...]
+    model: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_new_tokens: int | None = None          # None: the answer's tokens + 16, per question
+    engine_fields: dict[str, Any] = field(default_factory=dict)  # EMConfig fields (see config_overrides)
+    multidoc_tokens_per_doc: int = 250
+    threads: int | None = None                 # torch threads in each cell (None: torch's default)
+
+
+def config_overrides(engine_fields: dict[str, Any]) -> dict[str, Any]:
+    """EMConfig keyword arguments from the bench's engine fields: ``retrieval_scoring`` and ``retrieval_pooling``
+    (the flags' names and values) become ``scorer=scorer_from_names(...)``; every other field passes as it is."""
+    overrides = {k: v for k, v in engine_fields.items() if k not in SCORER_FIELDS}
+    names = {SCORER_FIELDS[k]: v for k, v in engine_fields.items() if k in SCORER_FIELDS}
+    if names:
+        from emllm.scoring import scorer_from_names
+
+        overrides["scorer"] = scorer_from_names(**names)
+    return overrides
+
+
+def settings_record(settings: BenchSettings) -> dict[str, Any]:
+    """What must match for rows of two runs to sit in one table (threads change times, not answers: left out).
+
+    The dtype is recorded as resolved on this machine: "auto" is bfloat16 on one CPU and float32 on another, and a
+    table resumed on the other machine would otherwise mix two experiments under one name."""
+    from emllm.models import resolve_dtype
+
+    dtype = str(resolve_dtype(settings.dtype)).removeprefix("torch.")
+    return {"model": settings.model, "dtype": dtype, "seed": settings.seed,
+            "max_new_tokens": settings.max_new_tokens, "engine_fields": dict(settings.engine_fields),
+            "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc}
+
+
+def load_done(out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows an earlier run wrote to ``out_dir``, refused (naming the difference) when that run's settings
+    (its bench-settings.json) differ from ``settings`` (a ``settings_record``): mixing them would make one table
+    of two experiments. No earlier run there: no rows."""
+    out = pathlib.Path(out_dir)
+    rows_path, settings_path = out / "bench.json", out / SETTINGS_FILE
+    if not rows_path.exists():
+        return []
+    if not settings_path.exists():
+        raise ValueError(f"{rows_path} has no {SETTINGS_FILE} beside it, so its settings are unknown: resume into a "
+                         "folder an `emllm bench` run of this version wrote, or choose a new --out.")
+    try:
+        earlier = json.loads(settings_path.read_text(encoding="utf-8"))
+        rows = json.loads(rows_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"Cannot resume from {out}: {error}. Choose a new --out or repair the file.") from None
+    differing = {k: (earlier.get(k), v) for k, v in settings.items() if earlier.get(k) != v}
+    if differing:
+        named = "; ".join(f"{k}: earlier {a!r}, now {b!r}" for k, (a, b) in differing.items())
+        raise ValueError(f"Cannot resume into {out}: its rows were measured with other settings ({named}). Use the "
+                         "same settings, or a new --out for a new experiment.")
+    if not isinstance(rows, list) or any(not isinstance(r, dict) or set(ROW_FIELDS) - set(r) for r in rows):
+        raise ValueError(f"{rows_path} does not hold bench rows: choose a new --out.")
+    return rows
+
+
+def finished_tasks(done: Sequence[dict[str, Any]], depths: Sequence[float]) -> set[tuple[str, str, int]]:
+    """(task, method, length) of earlier rows that answered every requested depth without error."""
+    answered: dict[tuple[str, str, int], set[float]] = {}
+    failed: set[tuple[str, str, int]] = set()
+    for row in done:
+        key = (row["task"], row["method"], row["length"])
+        if row["error"]:
+            failed.add(key)
+        else:
+            answered.setdefault(key, set()).add(round(float(row["depth"]), 6))
+    wanted = {round(float(d), 6) for d in depths}
+    return {key for key, got in answered.items() if key not in failed and wanted <= got}
+
+
+def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
+    """Refuse, naming the install command, a run whose tasks or methods need something that is not installed. Only
+    looks packages up (no heavy imports) except to check that a requested embedding model is there."""
+    needed = {"matplotlib": "matplotlib"}
+    methods = list(methods)
+    if any(m in RAG_METHODS for m in methods):
+        needed.update({"sentence_transformers": "sentence-transformers", "faiss": "faiss-cpu",
+                       "langchain_core": "langchain-core", "llama_index.core": "llama-index-core",
+                       "llama_index.vector_stores.faiss": "llama-index-vector-stores-faiss"})
+    absent = [pip for module, pip in needed.items() if not _installed(module)]
+    if absent:
+        raise BenchRequirementError(f"emllm bench needs {', '.join(absent)} for these tasks and methods, which "
+                                    f"{'is' if len(absent) == 1 else 'are'} not installed: {EXTRAS}")
+    if {"needle", "multidoc"} & set(tasks):
+        from .tasks import HaystackNotAvailableError, essays_dir
+
+        try:
+            essays_dir()
+        except HaystackNotAvailableError as error:
+            raise BenchRequirementError(str(error)) from None
+    for method in methods:
+        if method in RAG_METHODS:
+            from ..rag import EmbeddingNotAvailableError, resolve_embedding
+
+            try:
+                resolve_embedding(RAG_METHODS[method])
+            except EmbeddingNotAvailableError as error:
+                raise BenchRequirementError(f"{method}: {error}") from None
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_names(kind: str, names: Any, allowed: Sequence[str]) -> list[str]:
+    """The names, each once, refused (naming the choices) when not a non-empty list of allowed names."""
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(f"Pass a list of {kind}s, e.g. [{allowed[0]!r}], got {names!r}.")
+    names = list(names)
+    if not names:
+        raise ValueError(f"The {kind} list is empty: choose from {', '.join(allowed)}.")
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"Unknown {kind} {unknown[0]!r}: choose from {', '.join(allowed)}.")
+    return list(dict.fromkeys(names))
+
+
+def check_methods(methods: Any) -> list[str]:
+    """EM-LLM presets, ``full`` and the RAG methods, each once."""
+    from emllm import PRESETS
+
+    return check_names("method", methods, [*PRESETS, *RAG_METHODS])
+
+
+def check_lengths(lengths: Any) -> list[int]:
+    """Lengths in tokens (at least 256 each), each once."""
+    if isinstance(lengths, (str, int)) or not isinstance(lengths, Iterable):
+        raise TypeError(f"Pass a list of lengths in tokens, e.g. [4096, 32768], got {lengths!r}.")
+    lengths = list(lengths)
+    if not lengths:
+        raise ValueError("The length list is empty: give at least one length in tokens, e.g. 4096.")
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 256:
+            raise ValueError(f"Each length is a whole number of tokens, at least 256 (room for the tasks' "
+                             f"instructions and a few documents), got {n!r}.")
+    return list(dict.fromkeys(lengths))
+
+
+def check_depths(depths: Any) -> list[float]:
+    """Depths in [0, 1] as floats, each once."""
+    if isinstance(depths, (str, int, float)) or not isinstance(depths, Iterable):
+        raise TypeError(f"Pass a list of depths in [0, 1], e.g. [0.1, 0.5, 0.9], got {depths!r}.")
+    depths = list(depths)
+    if not depths:
+        raise ValueError("The depth list is empty: give at least one depth in [0, 1], e.g. 0.5.")
+    for d in depths:
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0.0 <= d <= 1.0:
+            raise ValueError(f"Each depth is a fraction of the document in [0, 1] (0 = start), got {d!r}.")
+    return [float(d) for d in dict.fromkeys(depths)]
