@@ -10,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.emllm-installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench docs clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
+
+docs: $(STAMP)
+	$(PY) -c "from emllm.config import reference_markdown; print(reference_markdown(), end='')" > docs/config.md
 
 clean:
 	rm -rf $(VENV)

@@ -16,8 +16,6 @@ users (and the benchmark harness) need only their own. The same pieces in the tw
 - ``emllm_integrations.rag.llama_index`` (imports only llama_index): ``SentenceTransformerEmbedding`` (a
   ``BaseEmbedding``), ``WordSplitter`` (300-word chunks), ``rag_index`` (a ``VectorStoreIndex`` over a
   ``FaissVectorStore``) and ``rag_query_engine(documents, llm)``.
-Their names can also be imported from here (``from emllm_integrations.rag import RAGRetriever``): the submodule,
-and with it its framework, is imported only when such a name is asked for.
 
 Context order. The retrieved chunks enter the prompt in DOCUMENT order (document, then position in it), not score
 order, by default: EM-LLM places its retrieved events in input order too, so the two methods then differ only in
@@ -29,7 +27,6 @@ The embedding models (names, local directories, encoding without silent truncati
 
 from __future__ import annotations
 
-import importlib
 import re
 import threading
 import time
@@ -210,24 +207,3 @@ class RAGBaseline:
 def _with_score(chunk: Chunk, score: float) -> Chunk:
     return Chunk(chunk.text, chunk.doc_id, chunk.chunk_id, score, chunk.start_word, chunk.end_word,
                  chunk.start_char, chunk.end_char, dict(chunk.metadata))
-
-
-# ---------------------------------------------------------------------- the frameworks' parts, imported on demand
-_FRAMEWORK_NAMES = {
-    "langchain": ("RAGRetriever", "format_documents", "rag_chain"),
-    "llama_index": ("SentenceTransformerEmbedding", "WordSplitter", "DocumentOrder", "to_llama_documents",
-                    "rag_index", "qa_template", "rag_query_engine"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    """``from emllm_integrations.rag import RAGRetriever`` imports rag.langchain (and LangChain) only then, so the
-    baseline itself stays importable without either framework."""
-    for submodule, names in _FRAMEWORK_NAMES.items():
-        if name in names:
-            return getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *(n for names in _FRAMEWORK_NAMES.values() for n in names)})

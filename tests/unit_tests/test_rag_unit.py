@@ -96,13 +96,6 @@ def test_each_framework_part_imports_only_its_framework():
         assert out.stdout.strip() == "False", module
 
 
-def test_framework_names_still_import_from_the_package():
-    assert rag.RAGRetriever is rag_langchain.RAGRetriever and rag.rag_chain is rag_langchain.rag_chain
-    assert rag.rag_query_engine is rag_llama_index.rag_query_engine
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        rag.nope
-
-
 # ---------------------------------------------------------------------- chunking
 def test_split_words_gives_300_word_chunks_last_shorter_and_loses_no_word():
     text = "\n".join(" ".join(f"w{i}_{j}" for j in range(10)) for i in range(103))  # 1030 words, line breaks
