@@ -44,7 +44,7 @@ def trace(tokens: int, depths: list[float], preset: str, max_new_tokens: int, ta
 def _trace_question(engine, memory, text: str, context: list[int], read_seconds: float, question: tuple,
                     max_new_tokens: int) -> list[str]:
     """One question asked from a fork of a read memory: the needle's events, then a row per generated token."""
-    from emllm_integrations.prompts import probe_suffix
+    from emllm_integrations.bench.tasks import probe_suffix
 
     depth, needle, asked, lead, expected = question
     start = text.index(needle)

@@ -56,7 +56,8 @@ def demo(args: argparse.Namespace) -> int:
           f"{result.new_input_tokens / max(result.prefill_seconds, 1e-9):,.0f} tok/s, "
           f"{result.decode_seconds:.1f} s answering)")
     print(f"events: {stats['events']:,} (mean size {stats['mean_event_size']:.1f} tokens); "
-          f"attention spans at most {engine.config.n_init + engine.config.n_mem + engine.config.n_local:,} + chunk tokens")
+          f"attention spans at most {engine.config.n_init + engine.config.n_mem + engine.config.n_local:,} "
+          "+ chunk tokens")
     kv_mb = sum(stats["kv_bytes_resident"].values()) / 2**20
     print(f"memory: {kv_mb:,.0f} MB of evicted KV resident ({stats['tokens_per_tier']}), "
           f"peak RSS {peak_rss_mb():,.0f} MB")

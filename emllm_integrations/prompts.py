@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 DOCUMENT_SEPARATOR = "\n\n"
 QA_SUFFIX = "\n\nAnswer the question using the text above.\nQuestion: {question}\nAnswer:"
-PROBE_SUFFIX = "\n\n{question} {lead}"
 
 
 def format_context(texts: Sequence[str]) -> str:
@@ -35,19 +34,6 @@ def qa_suffix(question: str) -> str:
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"The question must be non-empty text, got {question!r}.")
     return QA_SUFFIX.format(question=question.strip())
-
-
-def probe_suffix(question: str, answer_lead: str) -> str:
-    """What follows the context in the benchmark's probes (passkey, needle, key-value, multi-document): the question,
-    then the start of its answer for the model to complete, as infinity-Bench's prompts end. Measured on
-    SmolLM2-135M-Instruct at 8K tokens: after QA_SUFFIX's "Answer the question using the text above" frame even full
-    attention answers a passkey from general knowledge ("The pass key is a device used to ..."), after this suffix
-    it gives the key."""
-    if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"The question must be non-empty text, got {question!r}.")
-    if not isinstance(answer_lead, str) or not answer_lead.strip():
-        raise ValueError(f"The answer lead-in must be non-empty text (e.g. 'The pass key is'), got {answer_lead!r}.")
-    return PROBE_SUFFIX.format(question=question.strip(), lead=answer_lead.strip())
 
 
 def qa_prompt(context: str, question: str) -> str:

@@ -8,7 +8,7 @@ essays; a depth x length heatmap), ``kv`` (infinity-Bench Retrieve.KV), ``multid
 answered by one of them). Methods: any EM-LLM preset (``S``, ``SM``, ``S+C``, ``SM+C``, ``F`` (InfLLM), ...),
 ``full`` (plain full attention) and the RAG baseline with MiniLM or mpnet embeddings (``rag-minilm``, ``rag-mpnet``).
 
-One prompt for every method: the task's context, then ``prompts.probe_suffix(question, answer_lead)`` (the question
+One prompt for every method: the task's context, then ``tasks.probe_suffix(question, answer_lead)`` (the question
 and the start of its answer, as infinity-Bench's prompts end) tokenised apart, as in compare.py. EM-LLM and ``full``
 read the context once into a fresh memory (the prefill), then read only the question (the query); when one
 document set has several questions (kv: one JSON object, a key per depth; multidoc: one document set, a document per

@@ -17,12 +17,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..prompts import format_context, probe_suffix
+from ..prompts import format_context
 from .items import TaskItem, task_items
 from .measure import peak_rss_mb, read_each
 from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, FULL_MAX_TOKENS, RAG_METHODS, ROW_FIELDS,
                        TASKS, BenchSettings, check_depths, check_lengths, check_methods, check_names,
                        check_requirements, config_overrides, finished_tasks)
+from .tasks import probe_suffix
 
 _MESSAGE = "@@emllm-bench "  # marks the child's result lines on stdout (libraries may print there too)
 

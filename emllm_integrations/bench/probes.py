@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..prompts import format_context, probe_suffix
+from ..prompts import format_context
 from .items import task_items
 from .settings import BenchSettings
-from .tasks import needle_document
+from .tasks import needle_document, probe_suffix
 
 if TYPE_CHECKING:
     from emllm import EMEngine

@@ -391,3 +391,19 @@ def multidoc_documents(num_tokens: int, depths: Sequence[float], count_tokens: C
         questions.append(MultiDocQuestion(MULTIDOC_QUESTION.format(entity=entity), answer, index, depth,
                                           MULTIDOC_ANSWER_LEAD.format(entity=entity)))
     return MultiDocQA(tuple(docs), tuple(questions))
+
+
+PROBE_SUFFIX = "\n\n{question} {lead}"
+
+
+def probe_suffix(question: str, answer_lead: str) -> str:
+    """What follows the context in the benchmark's probes (passkey, needle, key-value, multi-document): the question,
+    then the start of its answer for the model to complete, as infinity-Bench's prompts end. Measured on
+    SmolLM2-135M-Instruct at 8K tokens: after QA_SUFFIX's "Answer the question using the text above" frame even full
+    attention answers a passkey from general knowledge ("The pass key is a device used to ..."), after this suffix
+    it gives the key."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"The question must be non-empty text, got {question!r}.")
+    if not isinstance(answer_lead, str) or not answer_lead.strip():
+        raise ValueError(f"The answer lead-in must be non-empty text (e.g. 'The pass key is'), got {answer_lead!r}.")
+    return PROBE_SUFFIX.format(question=question.strip(), lead=answer_lead.strip())

@@ -181,7 +181,7 @@ class RAGBaseline:
         """Retrieve, build the shared QA prompt, and generate with plain full attention (greedy by default).
 
         ``suffix``: what follows the retrieved context instead of ``qa_suffix(question)`` (the benchmark's probes
-        end with the question and an answer lead-in, prompts.probe_suffix); retrieval still uses the question."""
+        end with the question and an answer lead-in, bench.tasks.probe_suffix); retrieval still uses the question."""
         from emllm import EMConfig
 
         started = time.perf_counter()

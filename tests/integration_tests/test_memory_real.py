@@ -83,7 +83,7 @@ def test_the_needle_event_is_retrieved(in_ram, doc):
 def test_a_pinned_needle_is_held_by_every_layer_and_answered(smol_fast):
     """Pinning the needle sentence of an essay haystack after reading it puts its events in all 30 layers for the
     question, and the model copies the number: the diagnostic behind benchmarks/retrieval_scoring.py --pin-answer."""
-    from emllm_integrations.prompts import probe_suffix
+    from emllm_integrations.bench.tasks import probe_suffix
 
     engine = EMEngine(*smol_fast, EMConfig.from_preset("S", n_local=512))
     doc = needle_document(TOKENS, 0.2, engine.count_tokens, seed=7)
@@ -134,7 +134,7 @@ def test_the_readme_needle_recipe_answers_an_evicted_essay_needle(smol_fp32):
     overlapping the needle and the answer was "100.": measured by hand).
     float32, so the counts do not depend on the CPU's bf16 support (measured here with preset S: 23 of 30 layers;
     benchmarks/README.md has 32K to 128K)."""
-    from emllm_integrations.prompts import probe_suffix
+    from emllm_integrations.bench.tasks import probe_suffix
 
     engine = EMEngine(*smol_fp32, EMConfig.from_preset("S+C", n_local=512, scorer=Pooled(ForQuestions())))
     doc = needle_document(8000, 0.3, engine.count_tokens, seed=7)

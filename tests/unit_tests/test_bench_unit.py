@@ -12,7 +12,7 @@ import pytest
 from emllm_integrations import bench
 from emllm_integrations.bench import ROW_FIELDS, BenchRequirementError, run_bench, summary, tasks, write_report
 from emllm_integrations.cli import _length, main
-from emllm_integrations.prompts import probe_suffix
+from emllm_integrations.bench.tasks import probe_suffix
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
