@@ -75,8 +75,9 @@ PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_bu
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
 ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed"}
 # Config fields of earlier releases that the scorer objects replaced (retrieval_scoring, retrieval_pooling) or that
-# were removed with their one possible value kept (read_question_alone: on, decode_retrieve_every: 1, refine_layers:
-# the top third of the layers), with the values files written before then may hold and still be read with.
+# were removed, with the values a file may hold and still load: read_question_alone only chose how later prompts are
+# cut into forwards (now always alone), so either; decode_retrieve_every and refine_layers only their kept value (1;
+# None, the top third of the layers).
 REPLACED_FIELDS: dict[str, tuple[Any, ...]] = {"read_question_alone": (True, False), "decode_retrieve_every": (1,),
                                                "refine_layers": (None,)}
 
@@ -516,7 +517,7 @@ def _restore_config(manifest: dict[str, Any], engine: "EngineLike", config: EMCo
 
 def _current_config_fields(saved: dict[str, Any], target: Path) -> dict[str, Any]:
     """The saved config in today's fields: the scorer rebuilt from its description (or from the retrieval_scoring
-    and retrieval_pooling names files of earlier releases hold), removed fields dropped if they held the value kept."""
+    and retrieval_pooling names files of earlier releases hold), removed fields dropped if they hold a value that can still be read."""
     saved = dict(saved)
     try:
         if "scorer" in saved:

@@ -86,7 +86,7 @@ class RepresentativeIndex:
 
 
 ATTENTION_SCORING_ROWS = 256
-"""Query rows (positions x query heads) per KV head that rank events under retrieval_scoring="attention": a strided
+"""Query rows (positions x query heads) per KV head that rank events under scoring.AttentionMass: a strided
 sample of a reading chunk's rows; a question or a decoded token has fewer and uses them all."""
 
 
