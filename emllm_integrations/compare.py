@@ -3,10 +3,11 @@
     result = compare(documents, ["Who wrote the letter?", "Where was it sent from?"], preset="S")
     print(result.to_markdown())
 
-EM-LLM reads every document once into a MemoryPool (one pinned checkpoint) and answers each question as
-``context_ids + tokenize(qa_suffix(question))``: the documents' tokens are a prefix of every prompt, so each
+EM-LLM reads every document once into a MemoryPool (one pinned checkpoint) and answers each question as the chat
+turn's header, the documents' tokens, then the question's tail (``prompts.chat_frame``; ``template="text"``:
+``context_ids + tokenize(qa_suffix(question))``): the documents' tokens are a prefix of every prompt, so each
 question reads only its own few tokens. RAG embeds 300-word chunks once and, per question, puts the top 5 into
-the same template (``qa_prompt``) for the same LLM under plain full attention. What each method looked at is kept:
+the same template for the same LLM under plain full attention. What each method looked at is kept:
 the retrieved chunks for RAG, and for EM-LLM the document spans its episodic retrieval held in attention when the
 answer began (``GenerationResult.retrieved_events``, mapped from token positions back to the documents by
 ``emllm_integrations.sources``, as the LlamaIndex query engine maps them).
@@ -19,15 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from emllm import DEFAULT_PRESET
+from emllm import DEFAULT_PRESET, RetrievedEvent
 
 from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
-from .prompts import qa_suffix
+from .prompts import chat_frame, qa_suffix
 from .rag import CHUNK_WORDS, TOP_K, RAGBaseline
 from .sources import context_tokens, event_spans
 
 METHODS = ("em-llm", "rag")
+TEMPLATES = ("chat", "text")
 
 
 @dataclass
@@ -105,10 +107,12 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
             embedding: Any = "minilm",
             max_new_tokens: int = 64, top_k: int = TOP_K, chunk_words: int = CHUNK_WORDS,
             context_order: str = "document", llm_model: str | None = None, dtype: str = "auto",
-            progress: bool = False, **engine_fields: Any) -> ComparisonResult:
+            template: str = "chat", progress: bool = False, **engine_fields: Any) -> ComparisonResult:
     """Answer every question with EM-LLM (``preset`` plus any EMConfig field, e.g. n_local=1024) and with the RAG
-    baseline, on the same LLM, greedily. Inputs and settings are checked before the LLM is loaded (the embedding
-    name is checked as the small embedding model loads, also first)."""
+    baseline, on the same LLM, greedily. ``template``: "chat" puts the documents (RAG: its chunks) and then the
+    question in one user turn of the model's chat template, as people ask a chat model; "text" uses the raw
+    ``prompts.qa_suffix`` frame. Inputs and settings are checked before the LLM is loaded (the embedding name is
+    checked as the small embedding model loads, also first)."""
     from emllm import EMConfig
     from emllm.sessions import MemoryPool
 
@@ -118,6 +122,8 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     check_positive("top_k", top_k)
     check_positive("chunk_words", chunk_words)
     check_order(context_order)
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}.")
     config = EMConfig.from_preset(preset, **engine_fields)
 
     rag = RAGBaseline(embedding, chunk_words, top_k, llm_model, context_order=context_order, dtype=dtype)
@@ -126,7 +132,10 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     rag_chunks = rag.add_documents(documents)
     rag_setup = time.perf_counter() - started
 
-    context_ids, offsets, doc_starts = context_tokens(engine, documents)
+    document_ids, offsets, doc_starts = context_tokens(engine, documents)
+    chat = template == "chat"
+    header = chat_frame(engine, questions[0])[0] if chat else []  # the same for every question
+    context_ids = header + document_ids
     pool = MemoryPool(engine, config, max_memories=1)  # the pinned documents are what is reused
     rows: list[ComparisonRow] = []
     try:
@@ -134,8 +143,11 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
         pool.read(context_ids, progress=progress)
         em_setup = time.perf_counter() - started
         for question in questions:
-            result = pool.generate(context_ids + engine.tokenize(qa_suffix(question)), max_new_tokens=max_new_tokens)
-            spans = event_spans(result.retrieved_events, offsets, doc_starts, documents)
+            tail = chat_frame(engine, question)[1] if chat else engine.tokenize(qa_suffix(question))
+            result = pool.generate(context_ids + tail, max_new_tokens=max_new_tokens)
+            events = [RetrievedEvent(e.start - len(header), e.end - len(header), e.layers)
+                      for e in result.retrieved_events]  # as positions in the documents' tokens
+            spans = event_spans(events, offsets, doc_starts, documents)
             rows.append(ComparisonRow(
                 question, "em-llm", result.text, [s.text for s in spans],
                 [{"doc_id": s.doc_id, "start_char": s.start_char, "end_char": s.end_char, "layers": s.layers}
@@ -143,7 +155,7 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
                 prefill_seconds=em_setup, query_seconds=result.prefill_seconds,
                 decode_seconds=result.decode_seconds, tokens_read=result.new_input_tokens,
                 output_tokens=result.output_tokens, finish_reason=result.finish_reason))
-            answer = rag.answer(question, max_new_tokens)
+            answer = rag.answer(question, max_new_tokens, chat=chat)
             rows.append(ComparisonRow(
                 question, "rag", answer.text, [c.text for c in answer.chunks],
                 [{"doc_id": c.doc_id, "chunk_id": c.chunk_id, "score": c.score} for c in answer.chunks],
@@ -153,7 +165,7 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     finally:
         pool.close()
     return ComparisonResult(rows=rows, preset=preset, embedding=str(rag.embedding_name), model=engine.model_name,
-                            document_tokens=len(context_ids), rag_chunks=rag_chunks, top_k=top_k,
+                            document_tokens=len(document_ids), rag_chunks=rag_chunks, top_k=top_k,
                             chunk_words=chunk_words, context_order=context_order,
                             config={k: getattr(config, k) for k in ("n_init", "n_local", "n_mem", "chunk_size",
                                                                      "segmentation", "refinement", "contiguity",

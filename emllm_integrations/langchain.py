@@ -1,9 +1,9 @@
 """LangChain chat model on the EM-LLM engine: ``ChatEMLLM``.
 
     from emllm_integrations.langchain import ChatEMLLM
-    llm = ChatEMLLM()                                   # embedded SmolLM2-135M-Instruct, the default preset, lazy
+    llm = ChatEMLLM()                                   # embedded Qwen2.5-Coder-0.5B-Instruct, the default preset, lazy
     llm = ChatEMLLM(model="/path/to/hf/model", preset="S", n_local=1024, n_mem=1024, max_tokens=64)
-    chain = ChatPromptTemplate.from_messages([("human", "{document}\\n\\nQuestion: {question}")]) | llm
+    chain = ChatPromptTemplate.from_messages([("human", "{document}\\n\\n{question}")]) | llm
 
 Why it looks the way it does:
 
@@ -23,10 +23,12 @@ Why it looks the way it does:
   is kept by prefixing the content (``"alice: hi"``), since chat templates drop it. Images, audio, files, tool
   messages and tool calls raise a ValueError: the model reads text and has no tool-calling format.
 
-Long documents with the small default model: state the question *before* the document as well as after it.
+Long documents with the small SmolLM2-135M: state the question *before* the document as well as after it.
 Measured on a 32K-token passkey document (key ~29K tokens before the end, preset S, n_local = n_mem = 1024): with
 the question only after the document the chat model answered with haystack text although the event holding the key
 was retrieved in 26 of 30 layers; with the question first (it stays among the attention sinks) it answered the key.
+The default Qwen2.5-Coder-0.5B answers questions asked after the document (tests/integration_tests/
+test_default_model_prose.py).
 
     ChatPromptTemplate.from_messages([("human", "Answer the question about the text below.\\n"
                                        "Question: {question}\\n\\n{document}\\n\\nQuestion: {question}")])

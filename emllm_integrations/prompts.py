@@ -1,14 +1,17 @@
-"""The one question-answering prompt both sides of a comparison use (the paper's RAG protocol, appendix A.2:
-same LLM, same template; only where the context comes from differs).
+"""The question-answering prompts both sides of a comparison use (the paper's RAG protocol, appendix A.2: same
+LLM, same template; only where the context comes from differs).
 
-EM-LLM puts the whole document set in ``context``; the RAG baseline puts its top-k retrieved chunks there. The
-prompt is raw text rather than a chat template: measured on SmolLM2-135M-Instruct, long-document answers are far
-more reliable from raw text (the chat template made even full attention miss a passkey it finds as raw text).
+EM-LLM puts the whole document set in the context; the RAG baseline puts its top-k retrieved chunks there. Two
+frames: ``chat_frame`` (the documents, a blank line and the question in one user turn of the model's chat template:
+what people write to a chat model, and compare's default) and the raw-text ``qa_suffix`` (kept for the query
+engine and for models without a usable chat template: on SmolLM2-135M-Instruct, long-document answers were far more
+reliable from raw text).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 DOCUMENT_SEPARATOR = "\n\n"
 QA_SUFFIX = "\n\nAnswer the question using the text above.\nQuestion: {question}\nAnswer:"
@@ -39,3 +42,22 @@ def qa_suffix(question: str) -> str:
 def qa_prompt(context: str, question: str) -> str:
     """The full prompt as text (context first, then the question)."""
     return context + qa_suffix(question)
+
+
+def chat_frame(engine: Any, question: str) -> tuple[list[int], list[int]]:
+    """The model's chat template around one user turn holding a document, a blank line and the question (what
+    people write to a chat model), as the ids before the document and the ids after it (the blank line, the
+    question, the end of the turn, the assistant's header). The document's own ids go between, tokenised alone:
+    the part up to the document's end does not depend on the question, so a memory that has read it answers every
+    question by reading only the tail. Both sides of a comparison (EM-LLM, RAG with its chunks as the document)
+    use this."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"The question must be non-empty text, got {question!r}.")
+    content = _DOCUMENT_SLOT + DOCUMENT_SEPARATOR + question.strip()
+    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                add_generation_prompt=True)
+    cut = text.index(_DOCUMENT_SLOT)
+    return engine.tokenize(text[:cut]), engine.tokenize(text[cut + len(_DOCUMENT_SLOT):])
+
+
+_DOCUMENT_SLOT = "<<document>>"  # where the document goes in the rendered template

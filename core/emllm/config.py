@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .scoring import Representatives, Scorer
+from .scoring import EventText, ForQuestions, Fused, Representatives, Scorer
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
@@ -68,6 +68,8 @@ class EMConfig:
     """Neighbours on each side of a retrieved event that enter the contiguity buffer."""
     scorer: Scorer = Representatives()
     """Ranks each layer's events for retrieval (emllm.scoring): Representatives() is the paper's k-NN."""
+    event_embedding: str = "minilm"
+    """The sentence-transformers model that embeds event text for EventText scorers: "minilm", "mpnet" or a folder."""
     retrieval_backend: RetrievalBackend = "auto"
     """Search representatives with "torch", "faiss", or "auto" (faiss from faiss_min_events events on)."""
     faiss_min_events: int = 20_000
@@ -115,6 +117,9 @@ class EMConfig:
         if not isinstance(self.scorer, Scorer):
             raise ConfigError(f"scorer must be a scorer object with a score(step) method (emllm.scoring: "
                               f"Representatives(), Pooled(ForQuestions()), ...), got {self.scorer!r}.")
+        if not isinstance(self.event_embedding, (str, os.PathLike)) or not str(self.event_embedding).strip():
+            raise ConfigError(f"event_embedding must name a sentence-transformers model (\"minilm\", \"mpnet\" or a "
+                              f"local folder), got {self.event_embedding!r}.")
         if self.min_block_size > self.max_block_size:
             raise ConfigError(
                 f"min_block_size ({self.min_block_size}) is larger than max_block_size ({self.max_block_size}): "
@@ -211,6 +216,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "FM": dict(segmentation="fixed", refinement="modularity", contiguity=0.0),
     "FC": dict(segmentation="fixed", refinement="conductance", contiguity=0.0),
     "full": dict(attention="full"),
+    # E (ours, after EpMAN without training): a question ranks events by their text's embedding, alone (E) or fused
+    # with the model's representative keys (ER); neighbours of each retrieved event come along (its BroadAttn).
+    "E": dict(segmentation="surprise", refinement="none", contiguity=0.3,
+              scorer=ForQuestions(answering=EventText())),
+    "ER": dict(segmentation="surprise", refinement="none", contiguity=0.3,
+               scorer=ForQuestions(answering=Fused((EventText(), Representatives())))),
 }
 _PRESET_ALIASES = {name.upper(): name for name in PRESETS}
 
@@ -239,6 +250,8 @@ def reference_markdown() -> str:
         f"Every field can be passed to `EMEngine.from_pretrained(...)`, `EMConfig.from_preset(...)` and the adapters' "
         f"`config=`. The default preset is `{DEFAULT_PRESET}`.", "",
         "| field | default | what it does |", "|---|---|---|", *rows, "",
-        "## Presets (the paper's names)", "", "| preset | fields it sets |", "|---|---|", *presets, "",
-        "Scorers (`emllm.scoring`): `Representatives()` (the paper's k-NN), `AttentionMass()`, "
-        "`ForQuestions(reading, answering)`, `Pooled(inner)`; compose them, e.g. `scorer=Pooled(ForQuestions())`.", ""])
+        "## Presets (the paper's, and E, ER: the question ranks events by their text)", "", "| preset | fields it sets |", "|---|---|", *presets, "",
+        "Scorers (`emllm.scoring`): `Representatives()` (the paper's k-NN), `AttentionMass()`, `EventText()` (the "
+        "question's embedding against each event's text), `ForQuestions(reading, answering)`, `Pooled(inner)`, "
+        "`Fused(parts, weights)`; compose them, e.g. `scorer=ForQuestions(answering=Fused((EventText(), "
+        "Representatives())))`.", ""])

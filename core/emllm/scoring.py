@@ -10,6 +10,9 @@ accumulate lives in the forward's RetrievalPlan (shared by the layers of one for
     EMConfig(scorer=Pooled(ForQuestions()))                 # the needle recipe: attention ranks the question's
                                                             #   events, pooled over layers
     EMConfig(scorer=ForQuestions(answering=AttentionMass()))  # compose your own
+    EMConfig(scorer=ForQuestions(answering=Fused((EventText(), Representatives()))))
+                                                            # EpMAN without training: the question's embedding
+                                                            #   ranks the events' text, fused with the model's own
 
 Pins (EpisodicMemory.pin) are applied by the retriever around whatever scorer the config names (``Pinned``).
 """
@@ -39,6 +42,9 @@ class RetrievalPlan:
     """A question's or a generated token's forward: ForQuestions ranks these by attention."""
     pool: torch.Tensor | None = None
     """[e] Pooled's running sum of standardised scores over this forward's layers so far."""
+    text_scores: torch.Tensor | None = None
+    """[e] cosine of the question's embedding with each event's text (answering forwards, for EventText); the same
+    for every layer, so computed once per forward by the engine."""
 
 
 @dataclass
@@ -106,6 +112,10 @@ class ForQuestions:
     def uses_stored_keys(self) -> bool:
         return uses_stored_keys(self.reading) or uses_stored_keys(self.answering)
 
+    @property
+    def uses_event_text(self) -> bool:
+        return uses_event_text(self.reading) or uses_event_text(self.answering)
+
     def score(self, step: ScoringStep) -> torch.Tensor:
         if not step.plan.answering:
             return self.reading.score(step)
@@ -124,14 +134,75 @@ class Pooled:
     def uses_stored_keys(self) -> bool:
         return uses_stored_keys(self.inner)
 
+    @property
+    def uses_event_text(self) -> bool:
+        return uses_event_text(self.inner)
+
     def score(self, step: ScoringStep) -> torch.Tensor:
-        scores = self.inner.score(dataclasses.replace(step, candidates=None)).float()
-        spread = scores.std() if scores.numel() > 1 else scores.new_tensor(0.0)
-        standard = (scores - scores.mean()) / spread.clamp_min(1e-12)
+        standard = standardise(self.inner.score(dataclasses.replace(step, candidates=None)))
         pool = step.plan.pool
         fresh = pool is None or pool.shape != standard.shape
         step.plan.pool = standard if fresh else pool.to(standard.device) + standard
         return step.plan.pool
+
+
+@dataclass(frozen=True)
+class EventText:
+    """EpMAN's episodic attention without its training: the cosine between the question's embedding and each event's
+    text embedding (both from the config's ``event_embedding`` sentence-transformers model; events are embedded when
+    evicted). The same ranking for every layer, and it sees what the words mean, where the model's representative
+    keys see what its layers attend to: a fact asked in other words than it was written in is found by the first
+    far more often past the window. Only an answering forward has a question: compose it as
+    ``ForQuestions(answering=EventText())``; a prompt with no new text to ask gets no preference (all zeros)."""
+
+    uses_event_text = True
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        scores = step.plan.text_scores
+        if scores is None:
+            if not step.plan.answering:
+                raise ValueError("EventText ranks events by a question, which only answering forwards have: compose "
+                                 "it as ForQuestions(answering=EventText()) so reading uses another scorer.")
+            return torch.zeros(step.event_sizes.shape[0])
+        return scores
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The sum of several scorers' standardised scores (each mean 0, deviation 1, times its weight): two views of the
+    same events, e.g. what the question means (EventText) and what the model's layers attend to
+    (Representatives), each rescuing facts the other ranks low. Every part scores every event exactly."""
+
+    parts: tuple[Scorer, ...] = (Representatives(),)
+    weights: tuple[float, ...] = ()
+    """One weight per part; empty: all 1."""
+
+    def __post_init__(self) -> None:
+        if not self.parts or not all(isinstance(p, Scorer) for p in self.parts):
+            raise ValueError(f"Fused needs a non-empty tuple of scorers, got {self.parts!r}.")
+        if self.weights and len(self.weights) != len(self.parts):
+            raise ValueError(f"Fused has {len(self.parts)} parts but {len(self.weights)} weights: give one weight per "
+                             "part, or none for equal weights.")
+
+    @property
+    def uses_stored_keys(self) -> bool:
+        return any(uses_stored_keys(p) for p in self.parts)
+
+    @property
+    def uses_event_text(self) -> bool:
+        return any(uses_event_text(p) for p in self.parts)
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        exact = dataclasses.replace(step, candidates=None)
+        weights = self.weights or (1.0,) * len(self.parts)
+        return sum(w * standardise(p.score(exact)) for p, w in zip(self.parts, weights))
+
+
+def standardise(scores: torch.Tensor) -> torch.Tensor:
+    """Mean 0, deviation 1 (float32), so scores of different scale can be added; constant scores become zeros."""
+    scores = scores.float()
+    spread = scores.std() if scores.numel() > 1 else scores.new_tensor(0.0)
+    return (scores - scores.mean()) / spread.clamp_min(1e-12)
 
 
 @dataclass(frozen=True)
@@ -146,6 +217,10 @@ class Pinned:
     def uses_stored_keys(self) -> bool:
         return uses_stored_keys(self.inner)
 
+    @property
+    def uses_event_text(self) -> bool:
+        return uses_event_text(self.inner)
+
     def score(self, step: ScoringStep) -> torch.Tensor:
         scores = self.inner.score(step).float().clone()
         scores[list(self.events)] = float("inf")
@@ -155,6 +230,11 @@ class Pinned:
 def uses_stored_keys(scorer: Scorer) -> bool:
     """Whether the scorer reads every stored key of a layer (the layer then keeps its float32 key copy current)."""
     return bool(getattr(scorer, "uses_stored_keys", False))
+
+
+def uses_event_text(scorer: Scorer) -> bool:
+    """Whether the scorer ranks by event text (the memory then embeds each event's text when it is evicted)."""
+    return bool(getattr(scorer, "uses_event_text", False))
 
 
 def rank_events(scores: torch.Tensor, candidates: int) -> torch.Tensor:
@@ -183,7 +263,8 @@ def scorer_from_names(scoring: str = "representatives", pooling: str = "none") -
 
 
 # ---------------------------------------------------------------------- saving a scorer with a memory
-BUILT_IN: dict[str, type] = {cls.__name__: cls for cls in (Representatives, AttentionMass, ForQuestions, Pooled)}
+BUILT_IN: dict[str, type] = {cls.__name__: cls for cls in (Representatives, AttentionMass, ForQuestions, Pooled,
+                                                             EventText, Fused)}
 
 
 def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:
@@ -192,7 +273,13 @@ def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:
     if BUILT_IN.get(name) is not type(scorer):
         raise TypeError(f"{name} is not one of emllm's scorers ({', '.join(BUILT_IN)}): a memory using it cannot be "
                         "saved, because loading could not rebuild it. Compose the built-in scorers instead.")
-    return {"type": name, **{f.name: scorer_to_spec(getattr(scorer, f.name)) for f in dataclasses.fields(scorer)}}
+    return {"type": name, **{f.name: _field_to_spec(getattr(scorer, f.name)) for f in dataclasses.fields(scorer)}}
+
+
+def _field_to_spec(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_field_to_spec(v) for v in value]
+    return value if isinstance(value, (int, float)) else scorer_to_spec(value)
 
 
 def scorer_from_spec(spec: Any) -> Scorer:
@@ -203,4 +290,10 @@ def scorer_from_spec(spec: Any) -> Scorer:
     fields = {f.name for f in dataclasses.fields(cls)}
     if set(spec) - {"type"} != fields:
         raise ValueError(f"{spec['type']} takes {sorted(fields)}, the description has {sorted(set(spec) - {'type'})}")
-    return cls(**{name: scorer_from_spec(spec[name]) for name in fields})
+    return cls(**{name: _field_from_spec(spec[name]) for name in fields})
+
+
+def _field_from_spec(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_field_from_spec(v) for v in value)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else scorer_from_spec(value)

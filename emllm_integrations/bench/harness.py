@@ -17,23 +17,24 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..prompts import format_context
+from ..prompts import chat_frame, format_context
 from .items import TaskItem, task_items
+from .ruler import score
 from .measure import peak_rss_mb, read_each
-from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, FULL_MAX_TOKENS, RAG_METHODS, ROW_FIELDS,
-                       TASKS, BenchSettings, check_depths, check_lengths, check_methods, check_names,
+from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_QUESTIONS, DEFAULT_METHODS, FULL_MAX_TOKENS, RAG_METHODS, ROW_FIELDS,
+                       RULER_TASKS, TASKS, BenchSettings, check_depths, check_lengths, check_methods, check_names,
                        check_requirements, config_overrides, finished_tasks)
 from .tasks import probe_suffix
 
 _MESSAGE = "@@emllm-bench "  # marks the child's result lines on stdout (libraries may print there too)
 
 
-def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_METHODS,
+def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAULT_METHODS,
               lengths: Sequence[int] = DEFAULT_LENGTHS, depths: Sequence[float] = DEFAULT_DEPTHS, *,
               model: str | None = None, dtype: str = "auto", seed: int = 0, max_new_tokens: int | None = None,
               engine_fields: dict[str, Any] | None = None, full_max_tokens: int = FULL_MAX_TOKENS,
               isolate: bool = True, threads: int | None = None, progress: bool = True,
-              done: Sequence[dict[str, Any]] = (),
+              questions: int = DEFAULT_QUESTIONS, done: Sequence[dict[str, Any]] = (),
               on_cell: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Run every task x method x length x depth (x question) and return one row per question (keys ROW_FIELDS).
 
@@ -57,8 +58,10 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
                          f"{max_new_tokens!r}.")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer (or None for torch's default), got {threads!r}.")
+    if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:
+        raise ValueError(f"questions (per RULER document) must be a positive integer, e.g. 20, got {questions!r}.")
     settings = BenchSettings(tuple(tasks), tuple(depths), model, dtype, seed, max_new_tokens,
-                             dict(engine_fields or {}), threads=threads)
+                             dict(engine_fields or {}), threads=threads, questions=questions)
     check_requirements(tasks, methods)
     if engine_fields:
         from emllm import EMConfig
@@ -75,7 +78,7 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
                       f"{full_max_tokens:,}: raise it to run this cell)", file=sys.stderr)
                 continue
             cells.append((method, length))
-    finished = finished_tasks(done, depths)
+    finished = finished_tasks(done, settings)
     todo = [(method, length, [t for t in tasks if (t, method, length) not in finished]) for method, length in cells]
     todo = [(method, length, cell_tasks) for method, length, cell_tasks in todo if cell_tasks]
     rerun = {(task, method, length) for method, length, cell_tasks in todo for task in cell_tasks}
@@ -83,7 +86,8 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
     if len(todo) < len(cells):
         print(f"resuming: {len(cells) - len(todo)} of {len(cells)} (method, length) cells were already measured, "
               f"{len(rows)} rows kept", file=sys.stderr)
-    with tqdm(total=sum(len(cell_tasks) for *_, cell_tasks in todo) * len(depths), desc="bench", unit="question",
+    with tqdm(total=sum(settings.questions_per_cell(t) for *_, cell_tasks in todo for t in cell_tasks),
+              desc="bench", unit="question",
               disable=not progress, dynamic_ncols=True) as bar:
         for method, length, cell_tasks in todo:
             bar.set_postfix(method=method, tokens=length, refresh=True)
@@ -107,7 +111,7 @@ def run_bench(tasks: Sequence[str] = TASKS, methods: Sequence[str] = DEFAULT_MET
                 for row in rows[start:]:
                     if not row["error"]:
                         row["peak_rss_mb"] = peak
-            per_cell = len(cell_tasks) * len(depths)
+            per_cell = sum(settings.questions_per_cell(task) for task in cell_tasks)
             missing = per_cell - (len(rows) - start)
             if missing > 0:  # the cell's process died before answering everything (e.g. killed for memory)
                 reason = getattr(peak, "error", None) or "the cell ended before answering these questions"
@@ -163,11 +167,27 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
     return peak_rss_mb()
 
 
+def _context_ids(engine: Any, item: TaskItem) -> list[int]:
+    """What is read once: the documents (a probe), or the chat turn up to the document's end (a RULER task)."""
+    context = engine.tokenize(format_context(list(item.documents)))
+    if item.questions[0][3]:
+        return context
+    return chat_frame(engine, item.questions[0][0])[0] + context
+
+
+def _question_ids(engine: Any, item: TaskItem, question: str, lead: str) -> list[int]:
+    """What follows the context for one question: the probe's question and answer lead-in, or the rest of the chat
+    turn (the question, the end of the turn, the assistant's header)."""
+    if lead:
+        return engine.tokenize(probe_suffix(question, lead))
+    return chat_frame(engine, question)[1]
+
+
 def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: Any, settings: BenchSettings,
                    emit: Callable[[dict[str, Any]], None]) -> None:
     """Answer every item's questions, each document read once (read_each shares the reading of documents that
     begin alike, as one haystack with needles at several depths does, and times each as if read alone)."""
-    contexts = [engine.tokenize(format_context(list(item.documents))) for item in items]
+    contexts = [_context_ids(engine, item) for item in items]
     reads = read_each(engine, contexts)
     for index, (item, context_ids) in enumerate(zip(items, contexts)):
         answered = 0
@@ -181,7 +201,7 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
                     # extend it).
                     asking = memory.fork() if len(item.questions) > 1 else memory
                     try:
-                        ids = context_ids + engine.tokenize(probe_suffix(question, lead))
+                        ids = context_ids + _question_ids(engine, item, question, lead)
                         result = engine.generate(ids, memory=asking,
                                                  max_new_tokens=_max_new(settings, engine, expected))
                     finally:
@@ -224,9 +244,10 @@ def _answer_rag(item: TaskItem, method: str, length: int, engine: Any, settings:
     tokens = len(engine.tokenize(format_context(list(item.documents))))
     answered = 0
     for question, expected, depth, lead in item.questions:
-        suffix = probe_suffix(question, lead)
-        answer = rag.answer(question, _max_new(settings, engine, expected), suffix=suffix)
-        emit(_row(item.task, method, length, tokens + len(engine.tokenize(suffix)), depth, question,
+        suffix = probe_suffix(question, lead) if lead else None
+        answer = rag.answer(question, _max_new(settings, engine, expected), suffix=suffix, chat=not lead)
+        asked = tokens + len(_question_ids(engine, item, question, lead))
+        emit(_row(item.task, method, length, asked, depth, question,
                   expected, answer.text, prefill, answer.retrieve_seconds + answer.prefill_seconds,
                   answer.decode_seconds, answer.output_tokens, answer.input_tokens, None))
         answered += 1
@@ -296,11 +317,14 @@ def child_main() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- rows and checks
-def _row(task: str, method: str, length: int, tokens: int, depth: float, question: str, expected: str, output: str,
-         prefill: float, query: float, decode: float, output_tokens: int, tokens_read: int,
-         event_size: float | None) -> dict[str, Any]:
+def _row(task: str, method: str, length: int, tokens: int, depth: float, question: str,
+         expected: str | tuple[str, ...], output: str, prefill: float, query: float, decode: float, output_tokens: int,
+         tokens_read: int, event_size: float | None) -> dict[str, Any]:
+    answers = (expected,) if isinstance(expected, str) else tuple(expected)
+    found = score(output, answers)
     return {"task": task, "method": method, "length": length, "tokens": tokens, "depth": depth,
-            "question": question, "expected": expected, "output": output.strip(), "correct": expected in output,
+            "question": question, "expected": "; ".join(answers), "output": output.strip(), "correct": found == 1.0,
+            "score": found,
             "prefill_seconds": prefill, "query_seconds": query,
             "decode_ms_per_token": 1000 * decode / max(output_tokens, 1), "output_tokens": output_tokens,
             "tokens_read": tokens_read, "peak_rss_mb": peak_rss_mb(),
@@ -308,19 +332,27 @@ def _row(task: str, method: str, length: int, tokens: int, depth: float, questio
 
 
 def _error_row(task: str, method: str, length: int, depth: float, error: str, question: str = "",
-               expected: str = "") -> dict[str, Any]:
+               expected: str | tuple[str, ...] = "") -> dict[str, Any]:
     row = dict.fromkeys(ROW_FIELDS)
-    row.update(task=task, method=method, length=length, depth=depth, question=question, expected=expected,
-               output="", correct=False, error=error or "unknown error")
+    row.update(task=task, method=method, length=length, depth=depth, question=question,
+               expected=expected if isinstance(expected, str) else "; ".join(expected),
+               output="", correct=False, score=0.0, error=error or "unknown error")
     return row
 
 
 def _expected_keys(settings: BenchSettings) -> list[tuple[str, float]]:
-    return [(task, depth) for task in settings.tasks for depth in settings.depths]
+    """(task, depth) of every row a cell gives, in order (a RULER task's depths are its questions' order)."""
+    return [(task, depth) for task in settings.tasks
+            for depth in (settings.depths if task not in RULER_TASKS else
+                          [i / settings.questions for i in range(settings.questions)])]
 
 
-def _max_new(settings: BenchSettings, engine: Any, expected: str) -> int:
-    return settings.max_new_tokens or engine.count_tokens(expected) + 16
+def _max_new(settings: BenchSettings, engine: Any, expected: str | tuple[str, ...]) -> int:
+    """The answer's tokens and room around them: +16 after an answer lead-in, +32 in a chat answer, which may
+    restate the question first."""
+    if isinstance(expected, str):
+        return settings.max_new_tokens or engine.count_tokens(expected) + 16
+    return settings.max_new_tokens or engine.count_tokens(" ".join(expected)) + 32
 
 
 def _describe(error: BaseException) -> str:

@@ -7,6 +7,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from . import ruler
 from . import tasks as builders
 from .settings import BenchSettings
 
@@ -16,7 +17,9 @@ class TaskItem:
     """One document set read once, and the questions asked about it."""
     task: str
     documents: tuple[str, ...]
-    questions: tuple[tuple[str, str, float, str], ...]  # (question, expected answer, depth, answer lead-in)
+    questions: tuple[tuple[str, str | tuple[str, ...], float, str], ...]
+    """(question, expected answer or every string the answer must hold, depth, answer lead-in); an empty lead-in
+    asks the question as a chat turn after the document (the RULER families), with nothing written for the model."""
 
 
 def document_seed(seed: int, task: str, length: int, depth: float) -> int:
@@ -28,6 +31,10 @@ def document_seed(seed: int, task: str, length: int, depth: float) -> int:
 def task_items(task: str, length: int, settings: BenchSettings,
                count_tokens: Callable[[str], int]) -> list[TaskItem]:
     """The documents of a task at one length, the same for every method (seeded by task, length and depth)."""
+    if task in ruler.FAMILIES:  # one document holding every question (each asked from a fork of one read)
+        doc = ruler.family_document(task, length, count_tokens, questions=settings.questions,
+                                    seed=document_seed(settings.seed, task, length, -1.0))
+        return [TaskItem(task, (doc.context,), tuple((q.question, q.answers, q.depth, "") for q in doc.questions))]
     if task == "multidoc":
         qa = builders.multidoc_documents(length, list(settings.depths), count_tokens,
                                          seed=document_seed(settings.seed, task, length, -1.0),

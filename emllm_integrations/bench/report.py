@@ -53,8 +53,11 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((row["task"], row["method"], row["length"]), []).append(row)
     out = []
     for (task, method, length), group in groups.items():
+        correct = sum(bool(r["correct"]) for r in group)
+        low, high = wilson_interval(correct, len(group))
         entry = {"task": task, "method": method, "length": length, "questions": len(group),
-                 "accuracy": sum(bool(r["correct"]) for r in group) / len(group),
+                 "accuracy": correct / len(group), "accuracy_low": low, "accuracy_high": high,
+                 "score": _mean(r.get("score", float(bool(r["correct"]))) for r in group),
                  "errors": sum(bool(r["error"]) for r in group)}
         for key in ("tokens", "prefill_seconds", "query_seconds", "decode_ms_per_token", "peak_rss_mb",
                     "mean_event_size"):
@@ -63,9 +66,20 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def wilson_interval(correct: int, asked: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion: unlike the normal approximation it stays inside [0, 1] and is
+    honest at 0/20 or 20/20, where a cell of few questions says least."""
+    if asked <= 0:
+        return 0.0, 1.0
+    p = correct / asked
+    centre = (p + z * z / (2 * asked)) / (1 + z * z / asked)
+    half = z * math.sqrt(p * (1 - p) / asked + z * z / (4 * asked * asked)) / (1 + z * z / asked)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def accuracy_grid(rows: Sequence[dict[str, Any]]) -> str:
-    """Accuracy at a glance: one line per method, one column per (task, length), as "correct/asked"; a cell with
-    failed questions is marked "!" (see the rows' ``error``)."""
+    """Accuracy at a glance: one line per method, one column per (task, length), as "correct/asked [95% interval in
+    %]"; a cell with failed questions is marked "!" (see the rows' ``error``)."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     columns = sorted({(r["task"], r["length"]) for r in rows}, key=lambda c: (tasks.index(c[0]), c[1]))
     cells: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
@@ -78,7 +92,10 @@ def accuracy_grid(rows: Sequence[dict[str, Any]]) -> str:
         for task, length in columns:
             group = cells.get((method, task, length), [])
             mark = "!" if any(r["error"] for r in group) else ""
-            entries.append(f"{sum(bool(r['correct']) for r in group)}/{len(group)}{mark}" if group else "–")
+            right = sum(bool(r["correct"]) for r in group)
+            low, high = wilson_interval(right, len(group))
+            entries.append(f"{right}/{len(group)} [{low:.0%}–{high:.0%}]{mark}".replace("%", "", 1)
+                           if group else "–")
         body.append([method, *entries])
     return markdown_table(header, "l" + "r" * len(columns), body)
 
@@ -86,9 +103,10 @@ def accuracy_grid(rows: Sequence[dict[str, Any]]) -> str:
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """Accuracy at a glance, the accuracy summary with the measurements, then one line per question."""
     summary_table = markdown_table(
-        ["task", "method", "length", "tokens", "accuracy", "questions", "prefill s", "s / query", "decode ms/token",
-         "peak RSS MB", "mean event"], "llrrrrrrrrr",
-        ([s["task"], s["method"], f"{s['length']:,}", _num(s["tokens"], ",.0f"), f"{s['accuracy']:.0%}",
+        ["task", "method", "length", "tokens", "accuracy (95% CI)", "questions", "prefill s", "s / query",
+         "decode ms/token", "peak RSS MB", "mean event"], "llrrrrrrrrr",
+        ([s["task"], s["method"], f"{s['length']:,}", _num(s["tokens"], ",.0f"),
+          f"{s['accuracy']:.0%} ({s['accuracy_low']:.0%}-{s['accuracy_high']:.0%})",
           f"{s['questions']}" + (f" ({s['errors']} failed)" if s["errors"] else ""),
           _num(s["prefill_seconds"], ".2f"), _num(s["query_seconds"], ".2f"), _num(s["decode_ms_per_token"], ".1f"),
           _num(s["peak_rss_mb"], ",.0f"), _num(s["mean_event_size"], ".1f")] for s in summary(rows)))
@@ -99,7 +117,7 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
           _preview(f"error: {r['error']}" if r["error"] else r["output"]), "yes" if r["correct"] else "no",
           _num(r["prefill_seconds"], ".2f"), _num(r["query_seconds"], ".2f"), _num(r["decode_ms_per_token"], ".1f"),
           _num(r["peak_rss_mb"], ",.0f"), _num(r["mean_event_size"], ".1f")] for r in rows))
-    return "\n".join(["## Accuracy at a glance (correct / asked)", "", accuracy_grid(rows), "",
+    return "\n".join(["## Accuracy at a glance (correct / asked [95% Wilson interval])", "", accuracy_grid(rows), "",
                       "## Accuracy by task, method and length", "", summary_table, "",
                       "## Every question", "", question_table])
 

@@ -11,16 +11,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-TASKS = ("passkey", "needle", "kv", "multidoc")
+RULER_TASKS = ("niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
+               "variable_tracking", "common_words", "frequent_words", "fact_qa")
+"""The suite (bench.ruler): RULER's families and fact QA in other words, each a document with many questions."""
+PROBE_TASKS = ("passkey", "needle", "kv", "multidoc")
+"""Probes with an answer lead-in and a question per depth (bench.tasks), kept for the diagnostic scripts."""
+TASKS = (*RULER_TASKS, *PROBE_TASKS)
 RAG_METHODS = {"rag-minilm": "minilm", "rag-mpnet": "mpnet"}
-DEFAULT_METHODS = ("S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
-DEFAULT_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)
+DEFAULT_METHODS = ("E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
+DEFAULT_LENGTHS = (8192, 32768, 65536, 131072)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
+DEFAULT_QUESTIONS = 20
 # Plain full attention is quadratic (32K tokens take about 10 minutes on 2 cores) and past the trained context
 # it cannot answer anyway: longer cells are skipped unless asked for.
 FULL_MAX_TOKENS = 32_768
 EXTRAS = "pip install 'emllm-integrations[rag,langchain,llama-index,notebooks]'"
-ROW_FIELDS = ("task", "method", "length", "tokens", "depth", "question", "expected", "output", "correct",
+ROW_FIELDS = ("task", "method", "length", "tokens", "depth", "question", "expected", "output", "correct", "score",
               "prefill_seconds", "query_seconds", "decode_ms_per_token", "output_tokens", "tokens_read",
               "peak_rss_mb", "mean_event_size", "error")
 SETTINGS_FILE = "bench-settings.json"  # beside bench.json: what a resumed run must match
@@ -45,6 +51,11 @@ class BenchSettings:
     engine_fields: dict[str, Any] = field(default_factory=dict)  # EMConfig fields (see config_overrides)
     multidoc_tokens_per_doc: int = 250
     threads: int | None = None                 # torch threads in each cell (None: torch's default)
+    questions: int = DEFAULT_QUESTIONS         # per document of a RULER task
+
+    def questions_per_cell(self, task: str) -> int:
+        """How many rows a task gives in one (method, length) cell: its questions, or one per depth for a probe."""
+        return self.questions if task in RULER_TASKS else len(self.depths)
 
 
 def config_overrides(engine_fields: dict[str, Any]) -> dict[str, Any]:
@@ -69,7 +80,7 @@ def settings_record(settings: BenchSettings) -> dict[str, Any]:
     dtype = str(resolve_dtype(settings.dtype)).removeprefix("torch.")
     return {"model": settings.model, "dtype": dtype, "seed": settings.seed,
             "max_new_tokens": settings.max_new_tokens, "engine_fields": dict(settings.engine_fields),
-            "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc}
+            "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc, "questions": settings.questions}
 
 
 def load_done(out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -98,18 +109,21 @@ def load_done(out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[dict
     return rows
 
 
-def finished_tasks(done: Sequence[dict[str, Any]], depths: Sequence[float]) -> set[tuple[str, str, int]]:
-    """(task, method, length) of earlier rows that answered every requested depth without error."""
-    answered: dict[tuple[str, str, int], set[float]] = {}
+def finished_tasks(done: Sequence[dict[str, Any]], settings: BenchSettings) -> set[tuple[str, str, int]]:
+    """(task, method, length) of earlier rows that answered all of the cell's questions (every requested depth of a
+    probe) without error."""
+    answered: dict[tuple[str, str, int], set[Any]] = {}
     failed: set[tuple[str, str, int]] = set()
     for row in done:
         key = (row["task"], row["method"], row["length"])
         if row["error"]:
             failed.add(key)
         else:
-            answered.setdefault(key, set()).add(round(float(row["depth"]), 6))
-    wanted = {round(float(d), 6) for d in depths}
-    return {key for key, got in answered.items() if key not in failed and wanted <= got}
+            answered.setdefault(key, set()).add(row["question"] if row["task"] in RULER_TASKS
+                                                else round(float(row["depth"]), 6))
+    wanted = {round(float(d), 6) for d in settings.depths}
+    return {key for key, got in answered.items() if key not in failed and
+            (len(got) >= settings.questions if key[0] in RULER_TASKS else wanted <= got)}
 
 
 def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
@@ -125,7 +139,8 @@ def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
     if absent:
         raise BenchRequirementError(f"emllm bench needs {', '.join(absent)} for these tasks and methods, which "
                                     f"{'is' if len(absent) == 1 else 'are'} not installed: {EXTRAS}")
-    if {"needle", "multidoc"} & set(tasks):
+    if {"needle", "multidoc", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
+            "fact_qa"} & set(tasks):
         from .tasks import HaystackNotAvailableError, essays_dir
 
         try:

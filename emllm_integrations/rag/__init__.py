@@ -22,7 +22,7 @@ order, by default: EM-LLM places its retrieved events in input order too, so the
 WHAT reaches the LLM, not in how it is arranged; and neighbouring chunks read as continuous text, so a fact split
 by a chunk boundary stays readable. ``context_order="score"`` gives best-first order instead.
 
-The embedding models (names, local directories, encoding without silent truncation) are in ``rag.embeddings``.
+The embedding models (names, local directories, encoding without silent truncation) are in ``emllm.embeddings`` (the engine ranks events with them too).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any
 import faiss
 
 from ..checks import CONTEXT_ORDERS, check_documents, check_order, check_positive, check_question
-from ..prompts import format_context, qa_prompt, qa_suffix
+from ..prompts import chat_frame, format_context, qa_prompt, qa_suffix
 # The embedding names are re-exported: callers (the bench harness among them) use them as rag.<name>.
-from .embeddings import (EMBEDDINGS, MPNET_INSTALL, MPNET_PARTS, EmbeddingNotAvailableError, encode,
+from emllm.embeddings import (EMBEDDINGS, MPNET_INSTALL, MPNET_PARTS, EmbeddingNotAvailableError, encode,
                          load_embedding_model, mpnet_dir, resolve_embedding)
 
 __all__ = ["CHUNK_WORDS", "CONTEXT_ORDERS", "EMBEDDINGS", "MPNET_INSTALL", "MPNET_PARTS", "TOP_K", "Chunk",
@@ -169,15 +169,19 @@ class RAGBaseline:
         """Chunks in the order they enter the prompt (see the module docstring)."""
         return sorted(chunks, key=lambda c: (c.doc_id, c.chunk_id)) if self.context_order == "document" else chunks
 
-    def prompt_ids(self, chunks: list[Chunk], question: str, suffix: str | None = None) -> list[int]:
+    def prompt_ids(self, chunks: list[Chunk], question: str, suffix: str | None = None, chat: bool = False) -> list[int]:
         """The prompt's token ids: the context and the question suffix tokenised apart, exactly as EM-LLM's side
-        of a comparison builds its prompt, so both read the same template the same way."""
+        of a comparison builds its prompt, so both read the same template the same way (``chat``: the chunks and the
+        question in one chat turn, prompts.chat_frame)."""
         engine = self.engine
-        return engine.tokenize(format_context([c.text for c in chunks])) + engine.tokenize(
-            qa_suffix(question) if suffix is None else suffix)
+        context = format_context([c.text for c in chunks])
+        if chat:
+            head, tail = chat_frame(engine, question)
+            return head + engine.tokenize(context) + tail
+        return engine.tokenize(context) + engine.tokenize(qa_suffix(question) if suffix is None else suffix)
 
     def answer(self, question: str, max_new_tokens: int = 64, *, top_k: int | None = None,
-               suffix: str | None = None, **sampling: Any) -> RAGAnswer:
+               suffix: str | None = None, chat: bool = False, **sampling: Any) -> RAGAnswer:
         """Retrieve, build the shared QA prompt, and generate with plain full attention (greedy by default).
 
         ``suffix``: what follows the retrieved context instead of ``qa_suffix(question)`` (the benchmark's probes
@@ -190,14 +194,15 @@ class RAGBaseline:
         engine = self.engine
         if suffix is not None and (not isinstance(suffix, str) or not suffix.strip()):
             raise ValueError(f"suffix must be non-empty text to follow the context, got {suffix!r}.")
-        ids = self.prompt_ids(chunks, question, suffix)
+        ids = self.prompt_ids(chunks, question, suffix, chat=chat)
         memory = engine.new_memory(EMConfig.from_preset("full"))
         try:
             result = engine.generate(ids, memory=memory, max_new_tokens=max_new_tokens, **sampling)
         finally:
             memory.close()
         context = format_context([c.text for c in chunks])
-        prompt = qa_prompt(context, question) if suffix is None else context + suffix
+        prompt = engine.tokenizer.decode(ids) if chat else qa_prompt(context, question) if suffix is None \
+            else context + suffix
         return RAGAnswer(text=result.text, chunks=chunks, prompt=prompt, finish_reason=result.finish_reason,
                          input_tokens=result.input_tokens, output_tokens=result.output_tokens,
                          retrieve_seconds=retrieve_seconds, prefill_seconds=result.prefill_seconds,

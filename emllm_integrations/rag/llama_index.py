@@ -23,7 +23,7 @@ from llama_index.vector_stores.faiss import FaissVectorStore
 from ..checks import check_order, check_positive
 from ..prompts import QA_SUFFIX
 from . import CHUNK_WORDS, TOP_K, split_words
-from .embeddings import encode, load_embedding_model
+from emllm.embeddings import encode, load_embedding_model
 
 
 class SentenceTransformerEmbedding(BaseEmbedding):

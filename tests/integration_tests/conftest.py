@@ -1,4 +1,5 @@
-"""Shared real-model fixtures: the embedded SmolLM2-135M-Instruct, loaded once per session."""
+"""Shared real-model fixtures: the embedded SmolLM2-135M-Instruct (fast, for mechanical tests; the default model is
+Qwen2.5-Coder-0.5B-Instruct), loaded once per session."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 from emllm import EMConfig, EMEngine, load_model
 from emllm.storage import PageStore
 
+# The small model of the mechanical tests (named explicitly: the library default is Qwen2.5-Coder-0.5B-Instruct).
+SMOL = "smollm2"
+
 # A small layout keeps the real-model tests fast while exercising every part of the method:
 # sinks, a local window, retrieved events, eviction and refinement.
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
@@ -16,13 +20,13 @@ SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=6
 @pytest.fixture(scope="session")
 def smol_fp32():
     """(model, tokenizer) in float32 with emllm attention installed (exactness needs fp32)."""
-    return load_model(dtype="float32", device="cpu")
+    return load_model(SMOL, dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def smol_vanilla():
     """An untouched fp32 copy: the reference the engine must reproduce."""
-    return load_model(dtype="float32", device="cpu")
+    return load_model(SMOL, dtype="float32", device="cpu")
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +37,7 @@ def smol_fast():
     on an AVX2-only EPYC a 512x576x1536 matmul took 59x as long in bf16 as in fp32, and the 32K passkey tests ran
     past their 15-minute limit. Tests must hold in either dtype.
     """
-    return load_model(dtype="auto", device="cpu")
+    return load_model(SMOL, dtype="auto", device="cpu")
 
 
 def page_mb(pair, page_tokens: int) -> float:
@@ -45,4 +49,4 @@ def page_mb(pair, page_tokens: int) -> float:
 
 def make_engine(pair, preset: str = "SM", **overrides) -> EMEngine:
     model, tokenizer = pair
-    return EMEngine(model, tokenizer, EMConfig.from_preset(preset, **{**SMALL, **overrides}), model_name="smollm2")
+    return EMEngine(model, tokenizer, EMConfig.from_preset(preset, **{**SMALL, **overrides}), model_name=SMOL)

@@ -1,6 +1,7 @@
-"""`emllm bench` end to end on the real model at a tiny size: the CLI entry runs passkey and kv with EM-LLM (S) and
-the RAG baseline (MiniLM), each (method, length) cell in its own process, and writes complete rows, the markdown
-and the figures. About a minute of CPU; the accuracy itself is not asserted (1K tokens says little about it)."""
+"""`emllm bench` end to end on the real model (SmolLM2-135M-Instruct, named with --model) at a tiny size: the CLI
+entry runs passkey and kv with EM-LLM (S) and the RAG baseline (MiniLM), each (method, length) cell in its own
+process, and writes complete rows, the markdown and the figures. About a minute of CPU; the accuracy itself is not
+asserted (1K tokens says little about it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from emllm_integrations.bench import ROW_FIELDS, run_bench
 from emllm_integrations.cli import main
+
+from .conftest import SMOL
 
 PNG = b"\x89PNG\r\n\x1a\n"
 LENGTH = 1024
@@ -21,7 +24,7 @@ LAYOUT = ["--n-local", "256", "--n-mem", "256", "--chunk-size", "256"]
 def test_cli_bench_writes_complete_rows_table_and_figures(tmp_path, capsys):
     out = tmp_path / "bench"
     code = main(["bench", "--tasks", "passkey", "kv", "--methods", "S", "rag-minilm", "--lengths", str(LENGTH),
-                 "--depths", "0.5", *LAYOUT, "--threads", "1", "--out", str(out)])
+                 "--depths", "0.5", *LAYOUT, "--model", SMOL, "--threads", "1", "--out", str(out)])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-2000:]
 

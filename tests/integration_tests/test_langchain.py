@@ -1,5 +1,6 @@
-"""ChatEMLLM on the real embedded model: an LCEL chain over a 32K-token document, streaming, callbacks, async,
-usage counts, conversation reuse, concurrent conversations, bad input and engine sharing."""
+"""ChatEMLLM on the real embedded SmolLM2-135M-Instruct (named in every call: the library default is the larger
+Qwen2.5-Coder-0.5B-Instruct): an LCEL chain over a 32K-token document, streaming, callbacks, async, usage counts,
+conversation reuse, concurrent conversations, bad input and engine sharing."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from langchain_core.prompts import ChatPromptTemplate
 from emllm import sessions
 from emllm_integrations.bench.tasks import PASSKEY_QUESTION, passkey_document
 from emllm_integrations.langchain import ChatEMLLM, to_engine_messages
+
+from .conftest import SMOL
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
 QUESTION = [HumanMessage("List three colours of the rainbow.")]
@@ -34,7 +37,7 @@ def _one_torch_thread():
 
 @pytest.fixture(scope="module")
 def llm() -> ChatEMLLM:
-    return ChatEMLLM(max_tokens=24, **SMALL)
+    return ChatEMLLM(model=SMOL, max_tokens=24, **SMALL)
 
 
 def passkey_messages(tokens: int, depth: float, seed: int, engine) -> tuple[list[HumanMessage], str]:
@@ -65,7 +68,7 @@ def test_lcel_chain_answers_from_a_fact_30k_tokens_before_the_question():
     seen by every chunk) it answered 'The pass key is 10228.', with the question before, or before and after. The test
     reads with the lighter layout of the passkey demonstration (n_local = 256, n_mem = 512, chunk_size = 256), which
     answers too: 136 s in the suite, against 146 s with 512 / 512 and 174 s with 1024 / 1024 (2026-11-22)."""
-    llm = ChatEMLLM(preset="S", n_local=256, n_mem=512, chunk_size=256, max_tokens=16)
+    llm = ChatEMLLM(model=SMOL, preset="S", n_local=256, n_mem=512, chunk_size=256, max_tokens=16)
     doc = passkey_document(32_768, 0.1, llm.engine().count_tokens, seed=32_868)
     prompt = ChatPromptTemplate.from_messages([
         ("human", "Answer the question about the text below.\nQuestion: {question}\n\n{document}\n\n"
@@ -84,7 +87,7 @@ def test_stream_yields_deltas_that_join_to_the_invoked_answer(llm):
     assert chunks[-1].chunk_position == "last"
     assert [c.usage_metadata is not None for c in chunks].count(True) == 1 and chunks[-1].usage_metadata
     full = sum(chunks[1:], chunks[0])
-    assert full.response_metadata["model_name"] == "smollm2-135m-instruct"
+    assert full.response_metadata["model_name"] == SMOL
     assert full.response_metadata["finish_reason"] in ("stop", "length")
 
 
@@ -96,7 +99,8 @@ def test_callbacks_see_each_delta_when_invoking_and_streaming(llm):
     deltas = [c.text for c in llm.stream(QUESTION, config={"callbacks": [streamed]}) if c.text]
     assert [t for t in streamed.tokens if t] == deltas
     through_stream = TokenRecorder()  # streaming=True: invoke runs LangChain's streaming path
-    answer = ChatEMLLM(streaming=True, max_tokens=24, **SMALL).invoke(QUESTION, config={"callbacks": [through_stream]})
+    answer = ChatEMLLM(model=SMOL, streaming=True, max_tokens=24, **SMALL).invoke(
+        QUESTION, config={"callbacks": [through_stream]})
     assert "".join(through_stream.tokens) == answer.content == "".join(deltas)
 
 
@@ -131,7 +135,7 @@ def test_multi_token_stop_strings_are_honoured(llm):
     assert llm.engine().count_tokens(stop) > 1, f"pick a multi-token stop string, got {stop!r}"
     cut = full.index(stop)
     for result in (llm.invoke(QUESTION, max_tokens=40, stop=[stop]),
-                   ChatEMLLM(max_tokens=40, stop=[stop], **SMALL).invoke(QUESTION)):
+                   ChatEMLLM(model=SMOL, max_tokens=40, stop=[stop], **SMALL).invoke(QUESTION)):
         assert result.content == full[:cut]
         assert result.response_metadata["finish_reason"] == "stop"
 
@@ -144,7 +148,7 @@ def test_sampling_follows_the_seed(llm):
 
 def test_named_messages_keep_their_name():
     """The name reaches the model (as a prefix), so it costs tokens and changes the prompt."""
-    llm = ChatEMLLM(**SMALL)
+    llm = ChatEMLLM(model=SMOL, **SMALL)
     named = llm.get_num_tokens_from_messages([HumanMessage("hello", name="example_user")])
     assert named == llm.get_num_tokens_from_messages([HumanMessage("example_user: hello")])
     assert named > llm.get_num_tokens_from_messages([HumanMessage("hello")])
@@ -190,7 +194,7 @@ async def test_abandoned_async_stream_stops_its_worker(llm):
 
 # ---------------------------------------------------------------------- conversation reuse and concurrency
 def test_a_follow_up_question_reads_only_the_new_turn():
-    llm = ChatEMLLM(preset="S", max_tokens=24, **SMALL)
+    llm = ChatEMLLM(model=SMOL, preset="S", max_tokens=24, **SMALL)
     messages, _ = passkey_messages(2000, 0.5, seed=11, engine=llm.engine())
     first = llm.invoke(messages)
     follow_up = [*messages, AIMessage(first.content), HumanMessage("Say it once more.")]
@@ -209,7 +213,7 @@ def test_a_follow_up_question_reads_only_the_new_turn():
 
 def test_batch_answers_each_conversation_from_its_own_document():
     """Two conversations with different hidden keys, generated concurrently, each answer its own key."""
-    llm = ChatEMLLM(max_tokens=12, **SMALL)
+    llm = ChatEMLLM(model=SMOL, max_tokens=12, **SMALL)
     conversations = [passkey_messages(450, 0.5, seed=s, engine=llm.engine()) for s in (1, 2, 3)]
     keys = [key for _, key in conversations]
     assert len(set(keys)) == 3
@@ -219,7 +223,7 @@ def test_batch_answers_each_conversation_from_its_own_document():
 
 
 async def test_abatch_answers_each_conversation_from_its_own_document():
-    llm = ChatEMLLM(max_tokens=12, **SMALL)
+    llm = ChatEMLLM(model=SMOL, max_tokens=12, **SMALL)
     conversations = [passkey_messages(450, 0.5, seed=s, engine=llm.engine()) for s in (4, 5)]
     answers = await llm.abatch([messages for messages, _ in conversations])
     for answer, (_, key) in zip(answers, conversations):
@@ -229,14 +233,14 @@ async def test_abatch_answers_each_conversation_from_its_own_document():
 # ---------------------------------------------------------------------- construction and bad input
 def test_ten_instances_share_one_engine_loaded_once():
     before = sessions.loaded_engines()
-    llms = [ChatEMLLM(temperature=0.1 * i, **SMALL) for i in range(10)]
+    llms = [ChatEMLLM(model=SMOL, temperature=0.1 * i, **SMALL) for i in range(10)]
     assert sessions.loaded_engines() == before  # construction loads nothing
     engines = [x.engine() for x in llms] + [ChatEMLLM(model="smollm2-135m-instruct").engine()]
     assert all(e is engines[0] for e in engines)
     assert sessions.loaded_engines() <= before + 1  # one load at most (none if an earlier test loaded it)
     pools = [x.pool() for x in llms]
     assert all(p is pools[0] for p in pools)  # same model and memory config: one pool
-    other = ChatEMLLM(preset="S", **SMALL).pool()
+    other = ChatEMLLM(model=SMOL, preset="S", **SMALL).pool()
     assert other is not pools[0] and other.engine is pools[0].engine
 
 

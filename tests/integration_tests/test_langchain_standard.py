@@ -1,5 +1,6 @@
 """LangChain's standard integration suite (``langchain_tests.integration_tests.ChatModelIntegrationTests``) against
-ChatEMLLM on the real embedded model.
+ChatEMLLM on the real embedded SmolLM2-135M-Instruct (named in ``chat_model_params``: the library default is the
+larger Qwen2.5-Coder-0.5B-Instruct).
 
 Capabilities are declared honestly: no tool calling, structured output, JSON mode or image/audio/PDF input (the
 suite reads these from ChatEMLLM itself and from the flags below and skips those tests on its own). Usage metadata
@@ -15,6 +16,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from emllm.models import is_embedded_available
 from emllm_integrations.langchain import ChatEMLLM
+
+from .conftest import SMOL
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
 OTHER_MODEL = "qwen2.5-coder-0.5b-instruct"
@@ -38,12 +41,13 @@ class TestChatEMLLMStandard(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {**SMALL, "max_tokens": 24}
+        return {"model": SMOL, **SMALL, "max_tokens": 24}
 
     @property
     def model_override_value(self) -> str | None:
-        """A per-call ``model=`` switches to another model's shared engine; the second embedded model, when its
-        packages are installed (otherwise the suite skips the override tests, saying why)."""
+        """A per-call ``model=`` switches to another model's shared engine: Qwen2.5-Coder-0.5B-Instruct (the library
+        default, not the SmolLM2 of ``chat_model_params``), when its packages are installed (otherwise the suite
+        skips the override tests, saying why)."""
         return OTHER_MODEL if is_embedded_available(OTHER_MODEL) else None
 
     @property

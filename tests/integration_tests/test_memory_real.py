@@ -11,6 +11,8 @@ from emllm import EMConfig, EMEngine
 from emllm.scoring import ForQuestions, Pooled
 from emllm_integrations.bench.tasks import needle_document, passkey_document
 
+from .conftest import SMOL
+
 TOKENS = 3500
 
 
@@ -115,7 +117,7 @@ def test_device_map_auto_loads_and_runs():
     """accelerate's device_map places each layer; each layer's memory lives on its layer's device."""
     from emllm.models import load_model
 
-    pair = load_model(dtype="auto", device_map="auto")
+    pair = load_model(SMOL, dtype="auto", device_map="auto")
     engine = EMEngine(*pair, EMConfig.from_preset("S", n_init=32, n_local=256, n_mem=256, chunk_size=128,
                                                   max_block_size=64))
     memory = engine.new_memory()
@@ -133,7 +135,7 @@ def test_the_readme_needle_recipe_answers_an_evicted_essay_needle(smol_fp32):
     model copies the number (ranked by the representatives, pooled too, preset S, 27 layers held an event
     overlapping the needle and the answer was "100.": measured by hand).
     float32, so the counts do not depend on the CPU's bf16 support (measured here with preset S: 23 of 30 layers;
-    benchmarks/README.md has 32K to 128K)."""
+    docs/notes/needle-retrieval.md has 32K to 128K)."""
     from emllm_integrations.bench.tasks import probe_suffix
 
     engine = EMEngine(*smol_fp32, EMConfig.from_preset("S+C", n_local=512, scorer=Pooled(ForQuestions())))

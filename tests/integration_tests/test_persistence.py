@@ -25,7 +25,7 @@ from tests.tmpfs import mounted_tmpfs
 from tests.unit_tests.test_persistence_unit import (flip_bit, kill_after, memory_differences, open_memories,
                                                     run_child, siblings, tiny_engine)
 
-from .conftest import make_engine, page_mb
+from .conftest import SMOL, make_engine, page_mb
 
 
 def document(words: int = 800, seed: int = 0) -> str:
@@ -114,7 +114,7 @@ def test_a_memory_of_another_model_is_refused(engine, saved, tmp_path):
 def test_the_same_model_in_another_dtype_is_refused(engine, saved):
     saved_dtype = str(engine.model.dtype).removeprefix("torch.")
     other_dtype = "float32" if saved_dtype == "bfloat16" else "bfloat16"
-    other = make_engine(load_model(dtype=other_dtype, device="cpu", progress=False), "SM")
+    other = make_engine(load_model(SMOL, dtype=other_dtype, device="cpu", progress=False), "SM")
     with pytest.raises(MemoryFileError, match=f"dtype: saved '{saved_dtype}', engine '{other_dtype}'"):
         load_memory(saved, other)
     assert open_memories(other) == []

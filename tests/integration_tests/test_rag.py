@@ -14,7 +14,7 @@ from emllm_integrations.rag import RAGBaseline
 from emllm_integrations.rag.langchain import RAGRetriever, rag_chain
 from emllm_integrations.rag.llama_index import rag_query_engine
 
-from .conftest import SMALL
+from .conftest import SMALL, SMOL
 
 FACT = "The museum vault opens with the code 48213."
 QUESTION = "Which code opens the museum vault?"
@@ -28,12 +28,12 @@ def corpus(repeats: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine():
-    return shared_engine()
+    return shared_engine(SMOL)
 
 
 @pytest.fixture(scope="module")
 def baseline(engine):
-    rag = RAGBaseline(engine=engine)
+    rag = RAGBaseline(llm_model=SMOL, engine=engine)
     rag.add_documents(corpus(24))
     return rag
 
@@ -76,7 +76,7 @@ def test_llama_index_query_engine_with_the_em_llm_adapter():
     """rag_query_engine over a real VectorStoreIndex + FaissVectorStore, answered by the LlamaIndex EM-LLM adapter
     in plain full attention: the retrieved nodes hold the fact and the LLM gives an answer."""
     llama_index = pytest.importorskip("emllm_integrations.llama_index", reason="the LlamaIndex adapter is absent")
-    llm = llama_index.EMLLM(preset="full", max_tokens=10)
+    llm = llama_index.EMLLM(model=SMOL, preset="full", max_tokens=10)
     response = rag_query_engine(corpus(24), llm, top_k=2).query(QUESTION)  # 2 chunks keep the prompt short
     assert len(response.source_nodes) == 2
     assert sum(FACT in n.node.get_content() for n in response.source_nodes) == 1
@@ -86,7 +86,8 @@ def test_llama_index_query_engine_with_the_em_llm_adapter():
 def test_compare_end_to_end_small_layout(engine):
     docs = corpus(14)  # about 1.1K tokens: past n_init + n_local, so EM-LLM's retrieval is used
     questions = [QUESTION, "What colour is the sky?"]
-    result = compare(docs, questions, preset="SM", max_new_tokens=8, chunk_words=100, top_k=2, **SMALL)
+    result = compare(docs, questions, preset="SM", max_new_tokens=8, chunk_words=100, top_k=2, llm_model=SMOL,
+                     **SMALL)
 
     assert [(r.question, r.method) for r in result.rows] == [(q, m) for q in questions for m in ("em-llm", "rag")]
     assert result.document_tokens == len(engine.tokenize(format_context(docs)))

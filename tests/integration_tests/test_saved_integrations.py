@@ -10,17 +10,17 @@ from emllm import MemoryFileError
 from emllm_integrations.langchain import ChatEMLLM
 from emllm_integrations.llama_index import EMLLMQueryEngine
 
-from .conftest import SMALL
+from .conftest import SMALL, SMOL
 from .test_llama_index import FLOWER_QUESTION, town_documents
 
 
 def test_query_engine_saved_and_served_by_another_engine(tmp_path):
-    reader = EMLLMQueryEngine.from_documents(town_documents(), preset="S", max_tokens=10, **SMALL)
+    reader = EMLLMQueryEngine.from_documents(town_documents(), model=SMOL, preset="S", max_tokens=10, **SMALL)
     first = reader.query(FLOWER_QUESTION)
     path = reader.save(tmp_path / "town")
     reader.close()
 
-    server = EMLLMQueryEngine.from_memory(path, max_tokens=10)
+    server = EMLLMQueryEngine.from_memory(path, model=SMOL, max_tokens=10)
     try:
         again = server.query(FLOWER_QUESTION)
         assert str(again) == str(first)
@@ -33,32 +33,32 @@ def test_query_engine_saved_and_served_by_another_engine(tmp_path):
 
 
 def test_a_plain_memory_is_not_taken_for_a_query_engine_save(tmp_path):
-    reader = EMLLMQueryEngine.from_documents(town_documents()[:2], preset="S", max_tokens=4, **SMALL)
+    reader = EMLLMQueryEngine.from_documents(town_documents()[:2], model=SMOL, preset="S", max_tokens=4, **SMALL)
     memory = reader.pool.checkpoint(reader._context_ids)
     reader.pool.engine.save_memory(memory, tmp_path / "plain")  # a memory without the documents
     reader.close()
     with pytest.raises(ValueError, match="not one saved by EMLLMQueryEngine.save"):
-        EMLLMQueryEngine.from_memory(tmp_path / "plain")
+        EMLLMQueryEngine.from_memory(tmp_path / "plain", model=SMOL)
     (tmp_path / "empty").mkdir()
     with pytest.raises(MemoryFileError, match="manifest.json is missing"):
-        EMLLMQueryEngine.from_memory(tmp_path / "empty")
+        EMLLMQueryEngine.from_memory(tmp_path / "empty", model=SMOL)
 
 
 def test_chat_model_continues_from_a_saved_memory(tmp_path):
     document = " ".join(town_documents()[i].text for i in range(6))
     messages = [HumanMessage(f"{document}\n\nQuestion: {FLOWER_QUESTION}")]
-    reader = ChatEMLLM(preset="S", max_tokens=10, max_memories=2, **SMALL)
+    reader = ChatEMLLM(model=SMOL, preset="S", max_tokens=10, max_memories=2, **SMALL)
     first = reader.invoke(messages)
     path = reader.save_memory(messages, tmp_path / "chat")
 
     # Another instance with the same memory settings but its own pool (max_memories differs), started from the file.
-    server = ChatEMLLM(preset="S", max_tokens=10, max_memories=3, memory_path=str(path), **SMALL)
+    server = ChatEMLLM(model=SMOL, preset="S", max_tokens=10, max_memories=3, memory_path=str(path), **SMALL)
     assert server.pool() is not reader.pool()
     again = server.invoke(messages)
     assert again.content == first.content
     assert again.response_metadata["new_input_tokens"] == 0
     assert again.usage_metadata["input_tokens"] == first.usage_metadata["input_tokens"]
 
-    mismatched = ChatEMLLM(preset="SM", max_tokens=10, memory_path=str(path), **SMALL)
+    mismatched = ChatEMLLM(model=SMOL, preset="SM", max_tokens=10, memory_path=str(path), **SMALL)
     with pytest.raises(MemoryFileError):
         mismatched.invoke(messages)

@@ -13,7 +13,7 @@ from emllm import EMConfig, MemoryPool, shared_engine
 from emllm.sessions import loaded_engines
 from emllm_integrations.bench.tasks import passkey_document
 
-from .conftest import SMALL, make_engine, page_mb
+from .conftest import SMALL, SMOL, make_engine, page_mb
 
 # Small pages (128 tokens, ~2.9 MB in bf16, 5.6 MB in fp32) and a RAM budget of two and a half pages: of the ~900
 # tokens a 1,500-token document evicts, most pages go to disk, so sharing disk files between forks is tested.
@@ -129,8 +129,8 @@ def test_pool_keeps_concurrent_conversations_apart(engine):
 
 
 def test_shared_engine_loads_a_model_once():
-    first = shared_engine(dtype="bfloat16", progress=False)
+    first = shared_engine(SMOL, dtype="bfloat16", progress=False)
     count = loaded_engines()
-    assert shared_engine(dtype="bfloat16", progress=False) is first
-    assert shared_engine("smollm2", dtype="bfloat16", progress=False) is first  # an alias of the same model
+    assert shared_engine(SMOL, dtype="bfloat16", progress=False) is first
+    assert shared_engine("smollm2-135m-instruct", dtype="bfloat16", progress=False) is first  # its canonical name
     assert loaded_engines() == count

@@ -32,7 +32,7 @@ def smol_engine():
     from .tiny import TINY, tiny_model
 
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(None, progress=False))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir("smollm2", progress=False))
     except ModelNotAvailableError as error:
         pytest.skip(f"the embedded SmolLM2 package is not installed, so its tokenizer is not here: {error}")
     model = tiny_model(vocab=len(tokenizer), hidden=16, intermediate=32)

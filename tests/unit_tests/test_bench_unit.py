@@ -45,8 +45,8 @@ def test_report_writes_json_markdown_and_every_figure(tmp_path):
     paths = write_report(ROWS, tmp_path / "out")
     assert json.loads(paths["json"].read_text()) == ROWS
     text = paths["markdown"].read_text()
-    assert "| needle | rag-minilm | 2,048 | 2,078 | 50% | 2 |" in text
-    assert "| kv | S | 1,024 | 1,054 | 50% | 2 |" in text
+    assert "| needle | rag-minilm | 2,048 | 2,078 | 50% (9%-91%) | 2 |" in text  # with the 95% Wilson interval
+    assert "| kv | S | 1,024 | 1,054 | 50% (9%-91%) | 2 |" in text
     assert text.count("\n| needle |") == 4 + 8  # summary lines, then one line per question
     for name in ("accuracy", "needle_heatmap", "prefill_seconds", "query_seconds", "decode_ms_per_token",
                  "peak_rss_mb", "mean_event_size"):
@@ -66,7 +66,7 @@ def test_failed_rows_are_reported_as_failures(tmp_path):
                   correct=False, error="RuntimeError: boom")
     paths = write_report([*ROWS, failed], tmp_path)
     text = paths["markdown"].read_text()
-    assert "| kv | SM | 1,024 | – | 0% | 1 (1 failed) |" in text
+    assert "| kv | SM | 1,024 | – | 0% (0%-79%) | 1 (1 failed) |" in text
     assert "error: RuntimeError: boom" in text
 
 
@@ -78,7 +78,7 @@ def test_report_refuses_empty_or_foreign_rows(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tasks=["passkey", "haystack"]), "Unknown task 'haystack': choose from passkey, needle, kv, multidoc"),
+    (dict(tasks=["passkey", "haystack"]), "Unknown task 'haystack': choose from niah_single, .*, fact_qa, passkey, needle, kv, multidoc"),
     (dict(tasks="passkey"), "Pass a list of tasks"),
     (dict(methods=["S", "rag-bert"]), "Unknown method 'rag-bert'"),
     (dict(methods=[]), "method list is empty"),
@@ -195,8 +195,18 @@ def test_failed_or_missing_depths_are_run_again():
     finished = bench.finished_tasks(
         [_row("passkey", "S", 1024, 0.1, True), _row("passkey", "S", 1024, 0.9, False),  # complete (wrong is fine)
          _row("kv", "S", 1024, 0.1, True), _row("kv", "S", 1024, 0.9, False, error="killed"),  # an error
-         _row("needle", "S", 1024, 0.1, True)], [0.1, 0.9])  # a depth missing
+         _row("needle", "S", 1024, 0.1, True)], bench.BenchSettings(("passkey",), (0.1, 0.9)))  # a depth missing
     assert finished == {("passkey", "S", 1024)}
+
+
+def test_a_ruler_cell_is_finished_when_every_question_was_answered():
+    def asked(i, error=None):
+        return dict(_row("fact_qa", "ER", 1024, i / 3, i % 2 == 0, error=error), question=f"q{i}")
+
+    settings = bench.BenchSettings(("fact_qa",), (0.5,), questions=3)
+    assert bench.finished_tasks([asked(0), asked(1), asked(2)], settings) == {("fact_qa", "ER", 1024)}
+    assert bench.finished_tasks([asked(0), asked(1)], settings) == set()
+    assert bench.finished_tasks([asked(0), asked(1), asked(2, error="killed")], settings) == set()
 
 
 def test_resume_refuses_rows_measured_with_other_settings(tmp_path):
@@ -268,7 +278,27 @@ def test_accuracy_grid_counts_per_method_task_and_length_and_marks_failures():
     rows = ROWS + [_row("needle", "F", 1024, 0.1, False, error="killed")]
     grid = bench.accuracy_grid(rows).splitlines()
     assert grid[0] == "| method | needle 1K | needle 2K | kv 1K |"
-    assert grid[2] == "| S | 2/2 | 2/2 | 1/2 |"
-    assert grid[3] == "| rag-minilm | 1/2 | 1/2 | – |"
-    assert grid[4] == "| F | 0/1! | – | – |"
+    assert grid[2] == "| S | 2/2 [34–100%] | 2/2 [34–100%] | 1/2 [9–91%] |"  # with 95% Wilson intervals
+    assert grid[3] == "| rag-minilm | 1/2 [9–91%] | 1/2 [9–91%] | – |"
+    assert grid[4] == "| F | 0/1 [0–79%]! | – | – |"
     assert bench.markdown(rows).startswith("## Accuracy at a glance")
+
+
+def test_wilson_intervals_are_honest_at_the_edges_and_shrink_with_more_questions():
+    low, high = bench.wilson_interval(0, 20)
+    assert low == 0.0 and high == pytest.approx(0.161, abs=1e-3)
+    low, high = bench.wilson_interval(20, 20)
+    assert high == 1.0 and low == pytest.approx(0.839, abs=1e-3)
+    assert bench.wilson_interval(10, 20) == pytest.approx((0.299, 0.701), abs=1e-3)
+    assert bench.wilson_interval(50, 100)[1] - bench.wilson_interval(50, 100)[0] < 0.7 - 0.3
+
+
+def test_a_question_with_several_answers_is_right_only_with_all_of_them():
+    from emllm_integrations.bench.harness import _row as harness_row
+
+    row = harness_row("niah_multivalue", "ER", 1024, 1100, 0.5, "q?", ("111", "222", "333", "444"),
+                      "The numbers are 111, 222 and 444.", 1.0, 0.5, 0.2, 10, 20, 30.0)
+    assert row["score"] == 0.75 and row["correct"] is False and row["expected"] == "111; 222; 333; 444"
+    row = harness_row("fact_qa", "ER", 1024, 1100, 0.5, "q?", ("Green Shed",), "In the green shed.", 1.0, 0.5, 0.2,
+                      10, 20, 30.0)
+    assert row["score"] == 1.0 and row["correct"] is True  # case does not matter (RULER's string match)

@@ -17,6 +17,8 @@ EXPECTED_PRESETS = {
     "F": ("fixed", "none", 0.0, "episodic"),
     "FM": ("fixed", "modularity", 0.0, "episodic"),
     "FC": ("fixed", "conductance", 0.0, "episodic"),
+    "E": ("surprise", "none", 0.3, "episodic"),
+    "ER": ("surprise", "none", 0.3, "episodic"),
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
@@ -42,6 +44,16 @@ def test_full_preset_is_plain_attention():
 
 def test_every_preset_name_is_covered():
     assert set(PRESETS) == set(EXPECTED_PRESETS) | {"full"}
+
+
+def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
+    from emllm.scoring import EventText, ForQuestions, Fused, Representatives
+
+    assert EMConfig.from_preset("E").scorer == ForQuestions(answering=EventText())
+    assert EMConfig.from_preset("ER").scorer == ForQuestions(answering=Fused((EventText(), Representatives())))
+    for name in ("E", "ER"):
+        config = EMConfig.from_preset(name)
+        assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
 
 
 def test_default_preset_is_sm():

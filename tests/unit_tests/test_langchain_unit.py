@@ -7,7 +7,7 @@ import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from emllm import EMConfig, sessions
+from emllm import DEFAULT_MODEL, EMConfig, sessions
 from emllm_integrations.langchain import ChatEMLLM, to_engine_messages
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
@@ -30,7 +30,7 @@ class TestChatEMLLMStandardUnit(ChatModelUnitTests):
 # ---------------------------------------------------------------------- construction
 def test_defaults_use_the_embedded_model_and_the_engine_default_preset():
     llm = ChatEMLLM()
-    assert llm.model_name is None and llm._display_name() == "smollm2-135m-instruct"
+    assert llm.model_name is None and llm._display_name() == DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
     assert llm.em_config() == EMConfig.from_preset("SM")
     assert llm.temperature == 0.0 and llm.max_tokens > 0 and llm.stop is None
 
@@ -137,17 +137,17 @@ def test_identifying_params_hold_everything_that_changes_the_answer():
     params = llm._identifying_params
     assert params["preset"] == "S" and params["n_local"] == 512 and params["temperature"] == 0.5
     assert params["seed"] == 3 and params["stop"] == ["\n"] and params["max_tokens"] == 7
-    assert params["model_name"] == "smollm2-135m-instruct"
+    assert params["model_name"] == DEFAULT_MODEL  # no model named: the default
     assert ChatEMLLM(preset="S")._identifying_params != ChatEMLLM(preset="SM")._identifying_params
     assert llm._llm_type == "emllm-chat"
 
 
 def test_ls_params_report_the_model_and_a_per_call_override():
     llm = ChatEMLLM(max_tokens=9, temperature=0.2, stop=["x"])
-    assert llm._get_ls_params() == {"ls_provider": "emllm", "ls_model_name": "smollm2-135m-instruct",
+    assert llm._get_ls_params() == {"ls_provider": "emllm", "ls_model_name": DEFAULT_MODEL,
                                     "ls_model_type": "chat", "ls_temperature": 0.2, "ls_max_tokens": 9,
                                     "ls_stop": ["x"]}
-    assert llm._get_ls_params(model="qwen2.5-coder-0.5b-instruct")["ls_model_name"] == "qwen2.5-coder-0.5b-instruct"
+    assert llm._get_ls_params(model="smollm2-135m-instruct")["ls_model_name"] == "smollm2-135m-instruct"
 
 
 def test_call_options_override_the_instance_and_are_checked_before_any_work():

@@ -13,7 +13,7 @@ import pytest
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 from llama_index.core.schema import Document, ImageDocument, MetadataMode, TextNode
 
-from emllm import ConfigError, GenerationResult, RetrievedEvent, TextStream
+from emllm import DEFAULT_MODEL, ConfigError, GenerationResult, RetrievedEvent, TextStream
 from emllm.sessions import loaded_engines
 from emllm_integrations.async_bridge import iterate_in_thread
 from emllm_integrations.llama_index import (DEFAULT_CONTEXT_WINDOW, EMLLM, EMLLMQueryEngine, deltas_with_result,
@@ -40,7 +40,7 @@ def test_metadata_is_honest():
     meta = llm.metadata
     assert meta.is_chat_model and meta.num_output == 64 and meta.model_name == MISSING
     assert meta.context_window == DEFAULT_CONTEXT_WINDOW >= 1_000_000
-    assert EMLLM().metadata.model_name == "smollm2-135m-instruct"
+    assert EMLLM().metadata.model_name == DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
     # A declared input limit becomes the window: prompt budget = context_window - num_output = max_input_tokens.
     limited = EMLLM(model=MISSING, max_tokens=10, max_input_tokens=5000).metadata
     assert limited.context_window - limited.num_output == 5000

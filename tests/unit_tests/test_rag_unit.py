@@ -25,7 +25,7 @@ from emllm import ConfigError, EMConfig, EMEngine
 from emllm.memory import RetrievedEvent
 from emllm_integrations import rag
 from emllm_integrations.compare import ComparisonResult, ComparisonRow, compare
-from emllm_integrations.rag import embeddings
+from emllm import embeddings
 from emllm_integrations.rag import langchain as rag_langchain
 from emllm_integrations.rag import llama_index as rag_llama_index
 from emllm_integrations.sources import context_tokens, event_spans

@@ -23,7 +23,7 @@ def count_tokens() -> Callable[[str], int]:
     from emllm.models import ModelNotAvailableError, resolve_model_dir
 
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir(None, progress=False))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(resolve_model_dir("smollm2", progress=False))
     except ModelNotAvailableError as error:
         pytest.skip(f"the embedded SmolLM2 package is not installed, so its tokenizer is not here: {error}")
     return lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,5 +1,10 @@
-"""Local sentence-transformers models for the RAG baseline: resolved by a known name or a local directory, never
-downloaded, loaded once per process, and encoded into normalised float32 vectors (inner product = cosine).
+"""Local sentence-transformers models: resolved by a known name or a local directory, never downloaded, loaded once
+per process, and encoded into normalised float32 vectors (inner product = cosine). The engine embeds each event's
+text with one to rank events by a question (scoring.EventText); the RAG baseline embeds its chunks with the same
+code, so the two methods can be compared with the same retriever.
+
+sentence-transformers is imported only when a model is loaded: an engine whose scorer reads no event text never
+imports it.
 
 Embedding length. A 300-word chunk is about 400 word pieces, longer than the 256 (MiniLM) or 384 (mpnet) that
 the models' configs truncate at; the embedding would then silently ignore the end of every chunk. The models'
@@ -22,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 class EmbeddingNotAvailableError(RuntimeError):
     """A known embedding model whose packages are not installed; the message says what to install."""
@@ -206,3 +212,22 @@ def encode(model: Any, texts: Sequence[str], batch_size: int = 32) -> np.ndarray
     vectors = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True,
                            show_progress_bar=False)
     return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+class TextEmbedder:
+    """Unit vectors of texts from one sentence-transformers model, as torch tensors: what an EpisodicMemory calls to
+    embed its events' text and its questions. Cheap to construct twice: the model itself is shared per process."""
+
+    def __init__(self, name: Any = "minilm", device: str | None = None):
+        self.name = str(name)
+        self.model = load_embedding_model(name, device=device)
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.get_sentence_embedding_dimension())
+
+    def embed(self, texts: Sequence[str]) -> torch.Tensor:
+        """[n, dim] float32, each row of norm 1."""
+        if not texts:
+            return torch.empty(0, self.dim)
+        return torch.from_numpy(encode(self.model, texts))

