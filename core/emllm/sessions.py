@@ -155,8 +155,10 @@ class MemoryPool:
     def stream(self, prompt: Prompt, *, progress: bool = False, **sampling: Any) -> TextStream:
         """Generate like EMEngine.stream, starting from the longest checkpoint the prompt extends.
 
-        After the prompt is read, a fork is kept (the conversation's next turn extends this prompt); after the
-        answer, the generating memory is kept too (the next turn may extend prompt + answer token for token).
+        Before the prompt's question (its last paragraph, EMEngine.encode_prompt) a fork is kept (another question
+        about the same document extends it); after the prompt is read, another (the conversation's next turn
+        extends this prompt); after the answer, the generating memory is kept too (the next turn may extend
+        prompt + answer token for token).
         """
         check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
                         sampling.get("top_p", 1.0), sampling.get("top_k", 0))  # before any reading, not after
@@ -176,6 +178,13 @@ class MemoryPool:
         reused = memory.total_tokens
         try:
             started = time.perf_counter()
+            if question_start is not None and question_start - reused >= memory.config.chunk_size:
+                # The same document is often asked other questions in the same place (an LCEL template with
+                # {document} then {question}): keep the memory that has read up to the question, so the next
+                # question reads only itself. Reading in two calls is the same chunking as one: read() restarts
+                # its chunks at the question anyway.
+                self.engine.read(memory, ids[reused:question_start], progress=progress)
+                self.keep(memory.fork())
             self.engine.read_prompt(memory, ids, question_start, progress=progress)
             prefill = time.perf_counter() - started
             self.keep(memory.fork())

@@ -13,8 +13,8 @@ import pytest
 from emllm import DEFAULT_MODEL
 from emllm_integrations.bench.ruler import family_document, score
 
-TOKENS = 16_500
-FACTS = 4
+TOKENS = 16_100
+FACTS = 3
 
 
 @pytest.fixture(scope="module")

@@ -221,3 +221,24 @@ def test_attention_scoring_everywhere_ranks_each_forward_by_its_own_queries():
     engine.generate(f"{DOCUMENT}\n\n{QUESTION}", memory=memory, max_new_tokens=3)
     assert len(own.layer_scores(0)) > 3 and all(layer.answer_mass is None for layer in memory.layers)  # none summed
     memory.close()
+
+
+def test_a_pool_reads_a_document_once_for_every_question_asked_after_it():
+    """An LCEL template puts {document} then {question} in one message: each call's prompt differs only in its last
+    paragraph, so the pool keeps the memory that read up to the question and the next question reads only itself;
+    the answer is the one a fresh read gives (one read in two calls chunks as one call does)."""
+    from emllm import MemoryPool
+
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    document = " ".join(f"t{i}" for i in token_ids(300, seed=5))
+    pool = MemoryPool(engine)
+    first = pool.generate(document + "\n\nt5 t6 t7", max_new_tokens=4)
+    second = pool.generate(document + "\n\nt8 t9", max_new_tokens=4)
+    asked = engine.encode_prompt(document + "\n\nt8 t9")
+    assert first.new_input_tokens == first.input_tokens  # nothing was read before
+    assert second.new_input_tokens == len(asked.ids) - asked.question_start < 10  # only the question
+    fresh = engine.generate(document + "\n\nt8 t9", max_new_tokens=4)
+    assert second.token_ids == fresh.token_ids
+    pool.close()
