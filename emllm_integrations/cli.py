@@ -1,4 +1,5 @@
-"""`emllm demo` (EM-LLM and RAG side by side on a long real-prose document), `emllm chat --file PATH` (ask questions about a text file) and
+"""`emllm demo` (EM-LLM and RAG side by side on a long real-prose document), `emllm chat --file PATH` (ask
+questions about a text file) and
 `emllm bench` (tasks x methods x lengths, with tables and figures; its RAG methods and figures need the extras).
 
 The command line lives beside the adapters, not in the engine: it uses the bench's task builders and harness
@@ -42,7 +43,7 @@ def demo(args: argparse.Namespace) -> int:
     """What the project is for, in one run: a long document of real prose (Paul Graham's essays, with facts placed in
     it at spread depths) read once by EM-LLM, indexed once by RAG, and questions that use other words than the facts
     answered by both, side by side, with times and memory."""
-    from emllm import shared_engine
+    from emllm import DEFAULT_MODEL, shared_engine
 
     from .bench.ruler import family_document, score
     from .compare import compare
@@ -58,7 +59,8 @@ def demo(args: argparse.Namespace) -> int:
                      max_new_tokens=48, progress=True, **config_overrides(_engine_fields(args)))
     em, rag = result.rows_for("em-llm"), result.rows_for("rag")
     right = {"em-llm": 0, "rag": 0}
-    print(f"\n{result.document_tokens:,} document tokens; model {result.model}; EM-LLM preset {result.preset}; "
+    print(f"\n{result.document_tokens:,} document tokens; model {args.model or DEFAULT_MODEL}; "
+          f"EM-LLM preset {result.preset}; "
           f"RAG {result.embedding}, top {result.top_k} of {result.rag_chunks} chunks.\n")
     for asked, e, r in zip(doc.questions, em, rag):
         marks = []
@@ -134,7 +136,8 @@ def bench(args: argparse.Namespace) -> int:
         rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, dtype=args.dtype,
                          seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                          full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads,
-                         questions=args.questions, done=done, on_cell=lambda so_far: write_report(so_far, args.out, record))
+                         questions=args.questions, done=done,
+                         on_cell=lambda so_far: write_report(so_far, args.out, record))
     except BenchRequirementError as error:
         print(f"emllm bench: {error}", file=sys.stderr)
         return 2
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: Qwen2.5-Coder-0.5B-Instruct)")
+        p.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: "
+                       "Qwen2.5-Coder-0.5B-Instruct)")
         p.add_argument("--preset", default=DEFAULT_PRESET, choices=list(PRESETS),
                        help=f"method preset (default {DEFAULT_PRESET})")
         p.add_argument("--n-local", dest="n_local", type=int, help="local window tokens")
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                              "bench.md and PNG figures to --out. Each (method, length) runs in its own process so "
                              "its peak RSS is its own. Lengths take K/M suffixes (4K = 4096); past RAM, use "
                              "--ram-budget-mb with --offload-dir.")
-    p_bench.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: Qwen2.5-Coder-0.5B-Instruct)")
+    p_bench.add_argument("--model", default=None, help="embedded model name or local HF model dir (default: "
+                       "Qwen2.5-Coder-0.5B-Instruct)")
     p_bench.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                          help="weights dtype (default auto: bfloat16 where the CPU or GPU has native bf16, else "
                               "float32); recorded in bench-settings.json as resolved")

@@ -252,7 +252,8 @@ def reference_markdown() -> str:
         f"Every field can be passed to `EMEngine.from_pretrained(...)`, `EMConfig.from_preset(...)` and the adapters' "
         f"`config=`. The default preset is `{DEFAULT_PRESET}`.", "",
         "| field | default | what it does |", "|---|---|---|", *rows, "",
-        "## Presets (the paper's, and E, ER: the question ranks events by their text)", "", "| preset | fields it sets |", "|---|---|", *presets, "",
+        "## Presets (the paper's, and E, ER: the question ranks events by their text)", "",
+        "| preset | fields it sets |", "|---|---|", *presets, "",
         "Scorers (`emllm.scoring`): `Representatives()` (the paper's k-NN), `AttentionMass()`, `EventText()` (the "
         "question's embedding against each event's text), `ForQuestions(reading, answering)`, `Pooled(inner)`, "
         "`Fused(parts, weights)`; compose them, e.g. `scorer=ForQuestions(answering=Fused((EventText(), "

@@ -19,11 +19,11 @@ from tqdm.auto import tqdm
 
 from ..prompts import chat_frame, format_context
 from .items import TaskItem, task_items
-from .ruler import score
 from .measure import peak_rss_mb, read_each
-from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_QUESTIONS, DEFAULT_METHODS, FULL_MAX_TOKENS, RAG_METHODS, ROW_FIELDS,
-                       RULER_TASKS, TASKS, BenchSettings, check_depths, check_lengths, check_methods, check_names,
-                       check_requirements, config_overrides, finished_tasks)
+from .ruler import score
+from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS,
+                       RAG_METHODS, ROW_FIELDS, RULER_TASKS, TASKS, BenchSettings, check_depths, check_lengths,
+                       check_methods, check_names, check_requirements, config_overrides, finished_tasks)
 from .tasks import probe_suffix
 
 _MESSAGE = "@@emllm-bench "  # marks the child's result lines on stdout (libraries may print there too)

@@ -22,7 +22,8 @@ order, by default: EM-LLM places its retrieved events in input order too, so the
 WHAT reaches the LLM, not in how it is arranged; and neighbouring chunks read as continuous text, so a fact split
 by a chunk boundary stays readable. ``context_order="score"`` gives best-first order instead.
 
-The embedding models (names, local directories, encoding without silent truncation) are in ``emllm.embeddings`` (the engine ranks events with them too).
+The embedding models (names, local directories, encoding without silent truncation) are in ``emllm.embeddings``
+(the engine ranks events with them too).
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ class RAGBaseline:
         """Chunks in the order they enter the prompt (see the module docstring)."""
         return sorted(chunks, key=lambda c: (c.doc_id, c.chunk_id)) if self.context_order == "document" else chunks
 
-    def prompt_ids(self, chunks: list[Chunk], question: str, suffix: str | None = None, chat: bool = False) -> list[int]:
+    def prompt_ids(self, chunks: list[Chunk], question: str, suffix: str | None = None,
+                   chat: bool = False) -> list[int]:
         """The prompt's token ids: the context and the question suffix tokenised apart, exactly as EM-LLM's side
         of a comparison builds its prompt, so both read the same template the same way (``chat``: the chunks and the
         question in one chat turn, prompts.chat_frame)."""
