@@ -7,7 +7,7 @@ import pytest
 from langchain_core.messages import AIMessage, ChatMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from emllm import DEFAULT_MODEL, EMConfig, sessions
+from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, sessions
 from emllm_integrations.langchain import ChatEMLLM, to_engine_messages
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
@@ -31,7 +31,7 @@ class TestChatEMLLMStandardUnit(ChatModelUnitTests):
 def test_defaults_use_the_embedded_model_and_the_engine_default_preset():
     llm = ChatEMLLM()
     assert llm.model_name is None and llm._display_name() == DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
-    assert llm.em_config() == EMConfig.from_preset("SM")
+    assert llm.em_config() == EMConfig.from_preset(DEFAULT_PRESET) == EMConfig.from_preset("E")
     assert llm.temperature == 0.0 and llm.max_tokens > 0 and llm.stop is None
 
 

