@@ -24,12 +24,11 @@ from emllm import DEFAULT_PRESET, RetrievedEvent
 
 from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
-from .prompts import chat_frame, qa_suffix
+from .prompts import chat_frame, check_template, qa_suffix
 from .rag import CHUNK_WORDS, TOP_K, RAGBaseline
 from .sources import context_tokens, event_spans
 
 METHODS = ("em-llm", "rag")
-TEMPLATES = ("chat", "text")
 
 
 @dataclass
@@ -122,8 +121,7 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     check_positive("top_k", top_k)
     check_positive("chunk_words", chunk_words)
     check_order(context_order)
-    if template not in TEMPLATES:
-        raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}.")
+    check_template(template)
     config = EMConfig.from_preset(preset, **engine_fields)
 
     rag = RAGBaseline(embedding, chunk_words, top_k, llm_model, context_order=context_order, dtype=dtype)

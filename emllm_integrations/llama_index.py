@@ -35,7 +35,7 @@ from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
 
 from .async_bridge import iterate_in_thread
-from .prompts import qa_suffix
+from .prompts import chat_frame, check_template, qa_suffix
 from .sampling import sampling_options
 from .sources import document_shares, tokenize_documents
 
@@ -268,7 +268,12 @@ class EMLLMQueryEngine(CustomQueryEngine):
     """Reads every document into one episodic memory once, then answers each question from that memory: the
     prompt is the documents' tokens followed by the question, so only the question is read per query, and the
     model retrieves the relevant events inside its attention. ``source_nodes`` are the documents those events
-    came from. Build it with ``from_documents`` or ``from_nodes``."""
+    came from. Build it with ``from_documents`` or ``from_nodes``.
+
+    ``template="chat"`` (the default) asks as people ask a chat model: the documents, a blank line and the question
+    in one user turn of the model's chat template (``prompts.chat_frame``); an instruct model given the raw text
+    frame tends to continue the document instead of answering. ``"text"`` is the raw ``prompts.qa_suffix`` frame,
+    for models without a usable chat template. ``spans`` are positions in the prompt, past the turn's header."""
 
     nodes: List[BaseNode] = Field(description="The documents, in the order they were read.")
     spans: List[Tuple[int, int]] = Field(description="Each document's token span [start, end) in the context.")
@@ -281,6 +286,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
     seed: Optional[int] = None
     stop: Optional[List[str]] = None
     progress: bool = False
+    template: str = "chat"
 
     _pool: MemoryPool = PrivateAttr()
     _context_ids: list[int] = PrivateAttr()
@@ -301,18 +307,23 @@ class EMLLMQueryEngine(CustomQueryEngine):
                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                    seed: int | None = None, stop: Sequence[str] | None = None, streaming: bool = False,
                    progress: bool = False, dtype: Any = "auto", device: str | None = None,
-                   metadata_mode: MetadataMode = MetadataMode.NONE, **engine_fields: Any) -> "EMLLMQueryEngine":
+                   metadata_mode: MetadataMode = MetadataMode.NONE, template: str = "chat",
+                   **engine_fields: Any) -> "EMLLMQueryEngine":
         """Read the nodes (in order) into a new episodic memory; ``engine_fields`` are EMConfig fields.
 
         Everything is validated before the model loads; then the reading takes a while (a few hundred tokens/s on
         a CPU; ``progress=True`` shows a bar)."""
         texts = node_texts(nodes, metadata_mode)
+        check_template(template)
         config = EMConfig.from_preset(preset, **engine_fields)
         sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
         engine = shared_engine(model, dtype=dtype, device=device, progress=progress)
         # Queries rarely extend each other, so few automatic checkpoints are kept; the documents stay pinned.
         pool = MemoryPool(engine, config, max_memories=2)
-        context_ids, spans = tokenize_documents(engine, texts)
+        document_ids, spans = tokenize_documents(engine, texts)
+        header = chat_frame(engine, "?")[0] if template == "chat" else []  # the turn's header, question-independent
+        context_ids = header + document_ids
+        spans = [(start + len(header), end + len(header)) for start, end in spans]
         try:
             pool.read(context_ids, progress=progress)
         except BaseException:
@@ -321,7 +332,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         return cls(pool=pool, context_ids=context_ids, nodes=list(nodes), spans=spans,
                    model=str(model or DEFAULT_MODEL), streaming=streaming, max_tokens=max_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                   stop=list(stop) if stop else None, progress=progress)
+                   stop=list(stop) if stop else None, progress=progress, template=template)
 
     @property
     def pool(self) -> MemoryPool:
@@ -332,7 +343,10 @@ class EMLLMQueryEngine(CustomQueryEngine):
         return len(self._context_ids)
 
     def question_ids(self, question: str) -> list[int]:
-        """The question's tokens, tokenised on their own so the documents' tokens stay a prefix of every prompt."""
+        """The question's tokens (with the end of the chat turn and the assistant's header, in the chat frame),
+        tokenised on their own so the documents' tokens stay a prefix of every prompt."""
+        if self.template == "chat":
+            return chat_frame(self._pool.engine, question)[1]
         return self._pool.engine.tokenize(qa_suffix(question))
 
     def _start(self, question: str) -> tuple[TextStream, int]:
@@ -400,7 +414,8 @@ class EMLLMQueryEngine(CustomQueryEngine):
         so another process answers from them with from_memory() without reading them again."""
         memory = self._pool.checkpoint(self._context_ids)
         documents = {"kind": SAVE_KIND, "nodes": [doc_to_json(node) for node in self.nodes],
-                     "spans": [list(span) for span in self.spans], "context_tokens": len(self._context_ids)}
+                     "spans": [list(span) for span in self.spans], "context_tokens": len(self._context_ids),
+                     "template": self.template}
         return self._pool.engine.save_memory(memory, path, metadata={"llama_index": documents})
 
     @classmethod
@@ -425,5 +440,6 @@ class EMLLMQueryEngine(CustomQueryEngine):
         return cls(pool=pool, context_ids=list(memory.token_ids), nodes=[json_to_doc(d) for d in documents["nodes"]],
                    spans=[tuple(span) for span in documents["spans"]], model=str(model or DEFAULT_MODEL),
                    streaming=streaming, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                   seed=seed, stop=list(stop) if stop else None, progress=progress)
+                   seed=seed, stop=list(stop) if stop else None, progress=progress,
+                   template=documents.get("template", "text"))  # saves before the chat frame used the text one
 

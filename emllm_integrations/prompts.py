@@ -3,9 +3,9 @@ LLM, same template; only where the context comes from differs).
 
 EM-LLM puts the whole document set in the context; the RAG baseline puts its top-k retrieved chunks there. Two
 frames: ``chat_frame`` (the documents, a blank line and the question in one user turn of the model's chat template:
-what people write to a chat model, and compare's default) and the raw-text ``qa_suffix`` (kept for the query
-engine and for models without a usable chat template: on SmolLM2-135M-Instruct, long-document answers were far more
-reliable from raw text).
+what people write to a chat model, and the default of compare and the query engine) and the raw-text ``qa_suffix``
+(for models without a usable chat template: on SmolLM2-135M-Instruct, long-document answers were far more reliable
+from raw text).
 """
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ from typing import Any
 
 DOCUMENT_SEPARATOR = "\n\n"
 QA_SUFFIX = "\n\nAnswer the question using the text above.\nQuestion: {question}\nAnswer:"
+TEMPLATES = ("chat", "text")  # chat_frame, qa_suffix
+
+
+def check_template(template: Any) -> None:
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {TEMPLATES} (\"chat\": the model's chat template, \"text\": the "
+                         f"raw qa_suffix frame), got {template!r}.")
 
 
 def format_context(texts: Sequence[str]) -> str:

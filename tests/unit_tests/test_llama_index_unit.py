@@ -145,6 +145,7 @@ def test_bad_documents_fail_before_loading(documents, error, words):
     (dict(preset="nope"), ConfigError, "Unknown preset"),
     (dict(max_tokens=0), ValueError, "max_tokens"),
     (dict(n_local=0), ConfigError, "n_local"),
+    (dict(template="markdown"), ValueError, "template must be one of"),
 ])
 def test_bad_query_engine_settings_fail_before_loading(kwargs, error, word):
     with pytest.raises(error, match=word):
