@@ -29,13 +29,13 @@ event representatives. All queries would double the cost of attention; a sample 
 
 def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor,
                        q_memory: torch.Tensor | None, memory_keys: torch.Tensor, memory_values: torch.Tensor,
-                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scaling: float, memory_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over [memory part | local window], computed as fused pieces merged by their log-sum-exp.
 
     q_local [1, heads, q, d]: the queries rotated at their window positions; window_keys/values [1, kv, window, d]
     (the chunk's own keys last). q_memory [1, kv, groups * q, d]: the queries grouped by KV head and rotated for the
-    memory part (None: no memory part yet); memory_keys/values [1, kv, m, d]: sinks then retrieved events.
-    Returns the output [1, heads, q, d] and its log-sum-exp [1, heads, q] (float32).
+    memory part (None: no memory part yet); memory_keys/values [1, kv, m, d]: sinks then retrieved events;
+    memory_bias [m] (float32) is added to every query's logits for the memory keys (None: nothing). Returns the output [1, heads, q, d] and its log-sum-exp [1, heads, q] (float32).
     """
     _, heads, q, _ = q_local.shape
     kv_heads = window_keys.shape[1]
@@ -51,7 +51,8 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
         parts.append(_grouped(_attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
                                       window_values[:, :, :visible], scaling, causal=False), heads, q))
     if q_memory is not None:
-        parts.append(_grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False), heads, q))
+        parts.append(_grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
+                              heads, q))
     return _merge(parts)
 
 
@@ -72,8 +73,9 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
 
 
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts.
+            causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts;
+    ``bias`` [keys] is added to the logits of every query (not with causal).
 
     causal=True is only for a square block (the chunk attending to itself): the fused kernel aligns a
     rectangular causal mask top-left, the opposite of a window's last rows.
@@ -84,16 +86,19 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
     if key.shape[-2] == 0:  # nothing to attend to (no sinks, nothing retrieved): a part that weighs nothing
         return torch.zeros_like(query), torch.full(query.shape[:-1], float("-inf"), device=query.device)
     if query.device.type == "cpu":
+        mask = None if bias is None else bias.to(query.dtype).view(1, 1, 1, -1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, scale=scaling)
+            query, key, value, 0.0, causal, attn_mask=mask, scale=scaling)
         return out, lse.float()
-    return attend_reference(query, key, value, scaling, causal)
+    return attend_reference(query, key, value, scaling, causal, bias)
 
 
 def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same in plain tensor ops: used on accelerators and as the reference in tests."""
     logits = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
+    if bias is not None:
+        logits = logits + bias.float()
     if causal:
         n, m = logits.shape[-2:]
         logits = logits.masked_fill(~_causal_mask(n, m, logits.device), float("-inf"))

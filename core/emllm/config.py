@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .scoring import EventText, ForQuestions, Fused, Representatives, Scorer
+from .scoring import EventText, ForQuestions, Fused, Representatives, Scorer, uses_event_text
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
@@ -72,6 +72,10 @@ class EMConfig:
     """Ranks each layer's events for retrieval (emllm.scoring): Representatives() is the paper's k-NN."""
     event_embedding: str = "minilm"
     """The sentence-transformers model that embeds event text for EventText scorers: "minilm", "mpnet" or a folder."""
+    # EpMAN's differentiating attention without training: attention leans to the retrieved events whose text the
+    # question ranks first (forward.relevance_bias). Needs an EventText scorer.
+    relevance_bias: float = 0.0
+    """Answering: add this * (event's text cosine - best retrieved one's) to its keys' logits (EpMAN); 0 = off."""
     retrieval_backend: RetrievalBackend = "auto"
     """Search representatives with "torch", "faiss", or "auto" (faiss from faiss_min_events events on)."""
     faiss_min_events: int = 20_000
@@ -119,6 +123,13 @@ class EMConfig:
         if not isinstance(self.scorer, Scorer):
             raise ConfigError(f"scorer must be a scorer object with a score(step) method (emllm.scoring: "
                               f"Representatives(), Pooled(ForQuestions()), ...), got {self.scorer!r}.")
+        if (not isinstance(self.relevance_bias, (int, float)) or isinstance(self.relevance_bias, bool)
+                or not 0 <= self.relevance_bias < float("inf")):
+            raise ConfigError(f"relevance_bias is a finite number >= 0 (0 = off), got {self.relevance_bias!r}.")
+        if self.relevance_bias and not uses_event_text(self.scorer):
+            raise ConfigError(f"relevance_bias weights retrieved events by their text's cosine with the question, "
+                              f"which scorer {self.scorer!r} does not compute: use a preset with EventText (E, ER) "
+                              "or set relevance_bias=0.")
         if not isinstance(self.event_embedding, (str, os.PathLike)) or not str(self.event_embedding).strip():
             raise ConfigError(f"event_embedding must name a sentence-transformers model (\"minilm\", \"mpnet\" or a "
                               f"local folder), got {self.event_embedding!r}.")
@@ -224,6 +235,9 @@ PRESETS: dict[str, dict[str, Any]] = {
               scorer=ForQuestions(answering=EventText())),
     "ER": dict(segmentation="surprise", refinement="none", contiguity=0.3,
                scorer=ForQuestions(answering=Fused((EventText(), Representatives())))),
+    # ED: E with EpMAN's differentiating attention (attention leans to the events the question ranks first).
+    "ED": dict(segmentation="surprise", refinement="none", contiguity=0.3, relevance_bias=2.0,
+               scorer=ForQuestions(answering=EventText())),
 }
 _PRESET_ALIASES = {name.upper(): name for name in PRESETS}
 

@@ -56,10 +56,26 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
             memory_keys = layer.ordered_memory_keys()
         memory_keys = memory_keys[None]
     out, lse = episodic_attention(q_local, keys, values, q_memory, memory_keys,
-                                  layer.memory_values[None], scaling)                   # [1, heads, q, d]
+                                  layer.memory_values[None], scaling,
+                                  relevance_bias(layer, memory) if q_memory is not None else None)  # [1, heads, q, d]
     if memory.config.attention == "episodic":
         layer.scores[:, :window] += attention_received(q_local, keys, lse, scaling)
     return out.transpose(1, 2), None  # [1, q, heads, d]
+
+
+def relevance_bias(layer: LayerMemory, memory: EpisodicMemory) -> torch.Tensor | None:
+    """[sinks + retrieved tokens] the logit bias of EpMAN's differentiating attention (EMConfig.relevance_bias):
+    relevance_bias * (each retrieved event's text cosine - the best retrieved one's) on its tokens, 0 on the sinks;
+    None where it is off, outside answering forwards, or with nothing retrieved."""
+    strength, scores = memory.config.relevance_bias, memory.plan.text_scores
+    if not strength or scores is None or not layer.retrieved_ids:
+        return None
+    events = torch.tensor(layer.retrieved_ids)
+    sizes = memory.event_sizes[events]
+    relevance = scores[events].float()
+    per_token = torch.repeat_interleave(strength * (relevance - relevance.max()), sizes)   # [retrieved tokens]
+    sinks = layer.memory_keys.shape[1] - per_token.shape[0]
+    return torch.cat([torch.zeros(sinks), per_token]).to(layer.memory_keys.device)
 
 
 def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, scaling: float) -> None:

@@ -73,7 +73,7 @@ KV_FILE = "kv.safetensors"
 PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
                     "max_input_tokens")
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
-ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm"}
+ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm", "relevance_bias": 0.0}
 # Config fields of earlier releases that the scorer objects replaced (retrieval_scoring, retrieval_pooling) or that
 # were removed, with the values a file may hold and still load: read_question_alone only chose how later prompts are
 # cut into forwards (now always alone), so either; decode_retrieve_every and refine_layers only their kept value (1;

@@ -1,8 +1,15 @@
 """What a new user tries first, on the default model and the default preset: a document of real prose (Paul Graham's
-essays, over 16K tokens) holding facts, each asked in other words than the fact uses, through the three surfaces
-people use: a LangChain LCEL chain with ChatEMLLM(), LlamaIndex's EMLLMQueryEngine, and compare() (EM-LLM against
-RAG). Every surface must answer every question. How the default does past the model's window, and against RAG on
-many questions, is the benchmark's job (benchmarks/RESULTS.md), not the suite's.
+essays, over 16K tokens) holding ten facts about people, each asked in other words than the fact uses, through the
+three surfaces people use: a LangChain LCEL chain with ChatEMLLM(), LlamaIndex's EMLLMQueryEngine, and compare()
+(EM-LLM against RAG).
+
+What is asserted, and why a rate: Qwen2.5-Coder-0.5B does not answer every such fact even with the whole document
+in view. On the bench's 20-fact cell at 16K (benchmarks/RESULTS.md) plain full attention answered 12/20 [39-78%],
+the default E 14/20 [48-85%], RAG 9/20; on a 3-fact document of this kind full attention answered 1 of 3, E 2 of 3.
+So every surface must answer at least 6 of the 10 (E's measured rate minus its noise at this count), compare's
+EM-LLM at least as many as RAG on the same LLM, and the query engine exactly what compare's EM-LLM answers (the
+same prompt tokens, greedy). How the default does past the model's window, and on more questions, is the
+benchmark's job (benchmarks/RESULTS.md), not the suite's.
 
 Each surface reads the document once (about 16K tokens: 1-2 minutes on 2 cores), then only each question."""
 
@@ -14,7 +21,8 @@ from emllm import DEFAULT_MODEL
 from emllm_integrations.bench.ruler import family_document, score
 
 TOKENS = 16_100
-FACTS = 3
+FACTS = 10
+AT_LEAST = 6
 
 
 @pytest.fixture(scope="module")
@@ -28,41 +36,55 @@ def document():
     return doc
 
 
-def _missed(doc, answers: list[str]) -> list[tuple[str, str, str]]:
-    return [(q.question, "; ".join(q.answers), a) for q, a in zip(doc.questions, answers)
-            if score(a, q.answers) < 1.0]
+def _right(doc, answers: list[str]) -> int:
+    return sum(score(a, q.answers) == 1.0 for q, a in zip(doc.questions, answers))
 
 
-@pytest.mark.slow(seconds=200)
-def test_an_lcel_chain_with_the_default_chat_model_answers_every_fact(document):
+def _report(doc, answers: list[str]) -> list[tuple[str, str, str]]:
+    """What each question got, for the assertion message."""
+    return [(q.question, "; ".join(q.answers), a[:90]) for q, a in zip(doc.questions, answers)]
+
+
+@pytest.mark.slow(seconds=260)
+def test_an_lcel_chain_with_the_default_chat_model_answers_the_facts(document):
     from langchain_core.output_parsers import StrOutputParser
     from langchain_core.prompts import ChatPromptTemplate
 
     from emllm_integrations.langchain import ChatEMLLM
 
     chain = (ChatPromptTemplate.from_messages([("user", "{document}\n\n{question}")])
-             | ChatEMLLM(max_tokens=48) | StrOutputParser())
+             | ChatEMLLM(max_tokens=40) | StrOutputParser())
     answers = [chain.invoke({"document": document.context, "question": q.question}) for q in document.questions]
-    assert not _missed(document, answers)
+    assert _right(document, answers) >= AT_LEAST, _report(document, answers)
 
 
-@pytest.mark.slow(seconds=200)
-def test_the_query_engine_answers_every_fact(document):
+@pytest.fixture(scope="module")
+def compared(document):
+    from emllm_integrations.compare import compare
+
+    return compare([document.context], [q.question for q in document.questions], max_new_tokens=40)
+
+
+@pytest.mark.slow(seconds=360)
+def test_compare_answers_the_facts_with_em_llm_at_least_as_often_as_rag(document, compared):
+    em, rag = compared.answers("em-llm"), compared.answers("rag")
+    assert _right(document, em) >= AT_LEAST, _report(document, em)
+    assert _right(document, em) >= _right(document, rag), (_report(document, em), _report(document, rag))
+    assert all(row.tokens_read < 100 for row in compared.rows_for("em-llm"))  # only the question is read per query
+
+
+@pytest.mark.slow(seconds=260)
+def test_the_query_engine_answers_as_compare_does(document, compared):
     from llama_index.core import Document
 
     from emllm_integrations.llama_index import EMLLMQueryEngine
 
-    engine = EMLLMQueryEngine.from_documents([Document(text=document.context)], max_tokens=48)
-    answers = [str(engine.query(q.question)) for q in document.questions]
-    assert not _missed(document, answers)
-
-
-@pytest.mark.slow(seconds=260)
-def test_compare_answers_every_fact_with_em_llm_and_reports_rag_beside_it(document):
-    from emllm_integrations.compare import compare
-
-    result = compare([document.context], [q.question for q in document.questions], max_new_tokens=48)
-    assert not _missed(document, result.answers("em-llm"))
-    rag = result.rows_for("rag")
-    assert len(rag) == FACTS and all(row.answer.strip() for row in rag)
-    assert all(row.tokens_read < 100 for row in result.rows_for("em-llm"))  # only the question is read per query
+    engine = EMLLMQueryEngine.from_documents([Document(text=document.context)], max_tokens=40)
+    try:
+        responses = [engine.query(q.question) for q in document.questions]
+    finally:
+        engine.close()
+    answers = [str(r) for r in responses]
+    assert answers == compared.answers("em-llm")  # the same chat frame, the same tokens, greedy
+    assert _right(document, answers) >= AT_LEAST, _report(document, answers)
+    assert all(r.source_nodes for r in responses)  # the one document is where retrieved events came from

@@ -172,3 +172,21 @@ def test_fused_part_without_keys_does_not_crash_and_is_neutral():
     values = json.loads(result.stdout)
     assert values["neg_inf"]
     assert values["out"] < 1e-6 and values["lse"] < 1e-6
+
+
+# ----------------------------------------------------------------------------- a bias on the keys (relevance_bias)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_bias_scales_each_keys_weight_by_its_exponential(dtype):
+    """Differentiating attention: adding log(w) to a key's logits multiplies its softmax weight by w, in the fused
+    op and the reference alike."""
+    query, key, value = qkv(2, 5, 12, dtype=dtype, seed=4)
+    bias = -torch.linspace(0, 4, 12)
+    out, lse = _attend(query, key, value, 0.25, False, bias=bias)
+    ref_out, ref_lse = attend_reference(query, key, value, 0.25, False, bias)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+    logits = torch.matmul(query.double(), key.double().transpose(-1, -2)) * 0.25 + bias.double()
+    want = torch.softmax(logits, dim=-1) @ value.double()
+    torch.testing.assert_close(out.double(), want, **TOL[dtype])
+    plain, _ = _attend(query, key, value, 0.25, False, bias=torch.zeros(12))
+    torch.testing.assert_close(plain, _attend(query, key, value, 0.25, False)[0], atol=0, rtol=0)

@@ -19,6 +19,7 @@ EXPECTED_PRESETS = {
     "FC": ("fixed", "conductance", 0.0, "episodic"),
     "E": ("surprise", "none", 0.3, "episodic"),
     "ER": ("surprise", "none", 0.3, "episodic"),
+    "ED": ("surprise", "none", 0.3, "episodic"),
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
@@ -51,7 +52,9 @@ def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
 
     assert EMConfig.from_preset("E").scorer == ForQuestions(answering=EventText())
     assert EMConfig.from_preset("ER").scorer == ForQuestions(answering=Fused((EventText(), Representatives())))
-    for name in ("E", "ER"):
+    assert EMConfig.from_preset("ED").scorer == EMConfig.from_preset("E").scorer
+    assert EMConfig.from_preset("ED").relevance_bias > 0 == EMConfig.from_preset("E").relevance_bias
+    for name in ("E", "ER", "ED"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
 

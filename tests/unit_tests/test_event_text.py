@@ -129,3 +129,47 @@ def test_the_event_embedding_model_is_checked_with_the_config():
     with pytest.raises(ValueError, match="event_embedding"):
         EMConfig(event_embedding="")
     assert EMConfig.from_preset("E", **TINY).event_embedding == "minilm"
+
+
+def test_relevance_bias_weights_each_retrieved_event_by_its_text_cosine():
+    """EpMAN's differentiating attention: in an answering forward every layer's memory keys carry a bias of
+    relevance_bias * (cosine - best cosine) on each retrieved event's tokens, 0 on the sinks and the best event;
+    reading forwards and relevance_bias=0 carry none."""
+    from emllm.forward import relevance_bias
+
+    engine = tiny_engine("ED")
+    memory = _read(engine, n=400)
+    assert all(relevance_bias(layer, memory) is None for layer in memory.layers)  # reading: no question
+    target = memory.num_events // 3
+    start = int(memory.event_boundaries()[target])
+    fork = memory.fork()
+    engine.read(fork, memory.token_ids[start:start + int(memory.event_sizes[target])], question_start=fork.total_tokens)
+    scores = fork.text_scores()
+    for layer in fork.layers:
+        bias = relevance_bias(layer, fork)
+        events = list(layer.retrieved_ids)
+        sizes = fork.event_sizes[events]
+        assert bias.shape == (layer.memory_keys.shape[1],)
+        sinks = bias.shape[0] - int(sizes.sum())
+        assert sinks > 0 and not bias[:sinks].any()
+        want = torch.repeat_interleave(fork.config.relevance_bias * (scores[events] - scores[events].max()), sizes)
+        torch.testing.assert_close(bias[sinks:], want)
+        assert float(bias[sinks:].max()) == 0.0 and float(bias.min()) < 0  # the best event unbiased, others below
+    fork.config = EMConfig.from_preset("E")
+    assert relevance_bias(fork.layers[0], fork) is None
+    fork.close()
+    memory.close()
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(relevance_bias=-1.0), "relevance_bias is a finite number >= 0"),
+    (dict(relevance_bias=float("inf")), "relevance_bias is a finite number >= 0"),
+    (dict(relevance_bias=True), "relevance_bias is a finite number >= 0"),
+])
+def test_relevance_bias_is_checked(fields, words):
+    from emllm import ConfigError
+
+    with pytest.raises(ConfigError, match=words):
+        EMConfig.from_preset("ED", **fields)
+    with pytest.raises(ConfigError, match="use a preset with EventText"):
+        EMConfig.from_preset("S", relevance_bias=2.0)
