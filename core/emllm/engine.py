@@ -276,6 +276,10 @@ class EMEngine:
             raise RuntimeError(f"This episodic memory was closed{because(memory.closed_reason)}; start a new one "
                                "with engine.new_memory().")
         tokens = self._check_ids(ids)
+        if not len(tokens):
+            # Nothing new (a pool read the whole prompt before generating from it): the prompt's question, and
+            # what its queries attended to, must keep ranking events for the answer's tokens.
+            return 0
         self._check_budget(memory, len(tokens))
         chunk = memory.config.chunk_size
         question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
