@@ -30,7 +30,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/emllm demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/engine_speed.py
