@@ -35,7 +35,8 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
     q_local [1, heads, q, d]: the queries rotated at their window positions; window_keys/values [1, kv, window, d]
     (the chunk's own keys last). q_memory [1, kv, groups * q, d]: the queries grouped by KV head and rotated for the
     memory part (None: no memory part yet); memory_keys/values [1, kv, m, d]: sinks then retrieved events;
-    memory_bias [m] (float32) is added to every query's logits for the memory keys (None: nothing). Returns the output [1, heads, q, d] and its log-sum-exp [1, heads, q] (float32).
+    memory_bias [m] (float32) is added to every query's logits for the memory keys (None: nothing).
+    Returns the output [1, heads, q, d] and its log-sum-exp [1, heads, q] (float32).
     """
     _, heads, q, _ = q_local.shape
     kv_heads = window_keys.shape[1]
