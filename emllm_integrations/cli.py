@@ -126,6 +126,9 @@ def bench(args: argparse.Namespace) -> int:
                                            seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                                            questions=args.questions))
     try:
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out} is a file, not a folder: give a folder (new or holding a bench.json "
+                             "with --resume).")
         if args.resume:
             done = load_done(args.out, record)
         elif os.path.exists(os.path.join(args.out, "bench.json")):

@@ -14,10 +14,7 @@ from emllm.engine import check_sampling
 
 def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
                      stop: Sequence[str] | None) -> dict[str, Any]:
-    """Validated keyword arguments for MemoryPool.stream. ``stop`` must be a list of strings: a lone string would
-    otherwise be read as one stop string per character."""
-    check_sampling(max_tokens, temperature, top_p, top_k, length_name="max_tokens")
-    if stop is not None and (isinstance(stop, str) or not all(isinstance(s, str) for s in stop)):
-        raise TypeError(f"stop must be a list of strings, got {stop!r}.")
+    """Validated keyword arguments for MemoryPool.stream (``stop``: a list of non-empty strings)."""
+    check_sampling(max_tokens, temperature, top_p, top_k, seed=seed, stop=stop, length_name="max_tokens")
     return dict(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                 stop=list(stop) if stop else None)

@@ -364,8 +364,11 @@ class EMEngine:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: Sequence[str] | None = None, progress: bool = False) -> TextStream:
         """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read."""
-        check_sampling(max_new_tokens, temperature, top_p, top_k)
-        stop = [s for s in (stop or []) if s]
+        check_sampling(max_new_tokens, temperature, top_p, top_k, seed=seed, stop=stop)
+        if memory is not None and not isinstance(memory, EpisodicMemory):
+            raise TypeError(f"memory must be an EpisodicMemory (engine.new_memory()) or None, got "
+                            f"{type(memory).__name__} {memory!r}.")
+        stop = list(stop or [])
         ids, question_start = self.encode_prompt(prompt)
         own_memory = memory is None
         memory = memory if memory is not None else self.new_memory()
@@ -564,10 +567,11 @@ def _refuse_bytes(value: Any) -> None:
                         "data.decode('utf-8', errors='replace').")
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, *,
-                   length_name: str = "max_new_tokens") -> None:
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, *, seed: Any = None,
+                   stop: Any = None, length_name: str = "max_new_tokens") -> None:
     """Refuse bad sampling settings before any reading; adapters pass their own name for the length
-    (LangChain and LlamaIndex call it max_tokens) so the message names what the user typed."""
+    (LangChain and LlamaIndex call it max_tokens) so the message names what the user typed. A lone string as
+    ``stop`` is refused: iterated, it would stop at any of its characters."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"{length_name} must be a positive integer (the most tokens to generate), "
                          f"got {max_new_tokens!r}.")
@@ -577,6 +581,15 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}.")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2 ** 64):
+        raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}.")
+    if stop is None:
+        return
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+        raise TypeError(f"stop must be a list of strings, e.g. stop=[{stop!r}], got {type(stop).__name__} {stop!r}.")
+    bad = [s for s in stop if not isinstance(s, str) or not s]
+    if bad:
+        raise TypeError(f"stop must hold non-empty strings only; got {bad!r} in {list(stop)!r}.")
 
 
 def _find_stop(text: str, stop: list[str], emitted: int) -> int | None:

@@ -161,7 +161,8 @@ class MemoryPool:
         prompt + answer token for token).
         """
         check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
-                        sampling.get("top_p", 1.0), sampling.get("top_k", 0))  # before any reading, not after
+                       sampling.get("top_p", 1.0), sampling.get("top_k", 0), seed=sampling.get("seed"),
+                       stop=sampling.get("stop"))  # before any reading, not after
         ids, question_start = self.engine.encode_prompt(prompt)
         holder: dict = {}
         return TextStream(self._run(ids, question_start, progress, sampling, holder), holder)

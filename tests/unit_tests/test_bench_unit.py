@@ -303,3 +303,11 @@ def test_a_question_with_several_answers_is_right_only_with_all_of_them():
     row = harness_row("fact_qa", "ER", 1024, 1100, 0.5, "q?", ("Green Shed",), "In the green shed.", 1.0, 0.5, 0.2,
                       10, 20, 30.0)
     assert row["score"] == 1.0 and row["correct"] is True  # case does not matter (RULER's string match)
+
+
+def test_cli_refuses_an_out_that_is_a_file_before_measuring(tmp_path, capsys):
+    taken = tmp_path / "results.txt"
+    taken.write_text("not a folder")
+    assert main(["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(taken)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert taken.read_text() == "not a folder"

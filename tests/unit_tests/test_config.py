@@ -303,3 +303,9 @@ def test_full_attention_skips_the_position_check():
     config.validate_for_model(max_positions=8, num_layers=4)
 
 
+
+
+def test_contiguity_neighbours_is_bounded_by_what_the_buffer_can_hold():
+    assert EMConfig(contiguity=0.3, contiguity_neighbours=2048 // 8).contiguity_neighbours == 256
+    with pytest.raises(ConfigError, match=r"contiguity_neighbours \(1000000\) is more than n_mem // min_block_size"):
+        EMConfig(contiguity=0.3, contiguity_neighbours=10 ** 6)

@@ -335,3 +335,53 @@ def test_layers_holding_counts_each_layer_once_for_a_span_across_events():
     assert memory.events_overlapping(*across) == [1, 2]
     assert memory.events_overlapping(starts[1], ends[3]) == [1, 2, 3]
     assert memory.events_overlapping(ends[-1], ends[-1] + 5) == []  # past the stored tokens: nothing
+
+
+@pytest.mark.parametrize("options, error, words", [
+    (dict(stop="seven!"), TypeError, "stop=['seven!']"),      # a lone string would stop at any of its characters
+    (dict(stop=[1]), TypeError, "non-empty strings only"),
+    (dict(stop=[None]), TypeError, "non-empty strings only"),  # not dropped silently
+    (dict(stop=["ok", ""]), TypeError, "non-empty strings only"),
+    (dict(stop=3), TypeError, "list of strings"),
+    (dict(seed="abc"), ValueError, "seed must be None or an integer"),
+    (dict(seed=1.5), ValueError, "seed must be None or an integer"),
+    (dict(seed=2 ** 80), ValueError, "seed must be None or an integer"),
+    (dict(seed=-1), ValueError, "seed must be None or an integer"),
+    (dict(seed=True), ValueError, "seed must be None or an integer"),
+])
+def test_bad_stop_and_seed_are_refused_with_the_fix(options, error, words):
+    with pytest.raises(error) as raised:
+        check_sampling(8, 0.0, 1.0, 0, **options)
+    assert words in str(raised.value)
+
+
+def test_good_stop_and_seed_pass():
+    check_sampling(8, 0.0, 1.0, 0, seed=2 ** 64 - 1, stop=["\n\n", "Q:"])
+    check_sampling(8, 0.0, 1.0, 0, seed=0, stop=("x",))
+    check_sampling(8, 0.0, 1.0, 0, seed=None, stop=[])
+
+
+@pytest.mark.parametrize("options", [dict(stop="seven!"), dict(seed="abc"), dict(stop=[None])])
+def test_the_engine_and_a_pool_refuse_bad_options_before_reading(options):
+    from emllm import MemoryPool
+
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    memory = engine.new_memory()
+    with pytest.raises((TypeError, ValueError)):
+        engine.generate(token_ids(300), memory=memory, max_new_tokens=4, **options)
+    assert memory.total_tokens == 0
+    pool = MemoryPool(engine, engine.config)
+    with pytest.raises((TypeError, ValueError)):
+        pool.generate(token_ids(300), max_new_tokens=4, **options)
+    assert pool.num_checkpoints == 0
+    pool.close()
+    memory.close()
+
+
+def test_a_memory_that_is_not_one_is_refused_with_the_fix():
+    from .tiny import tiny_engine
+
+    with pytest.raises(TypeError, match=r"memory must be an EpisodicMemory \(engine.new_memory\(\)\)"):
+        tiny_engine("S").generate([5, 6, 7], memory="x")

@@ -162,7 +162,7 @@ def test_fingerprint_is_stable_and_sensitive(tmp_path):
     _tiny_llama_config().save_pretrained(a)
     _fake_weights(a, 100)
     first = model_fingerprint(a)
-    assert len(first) == 16 and int(first, 16) >= 0
+    assert len(first) == 16 and set(first) <= set("0123456789abcdef")  # 64 bits as hex
     assert model_fingerprint(a) == first
     assert model_fingerprint(str(a)) == first
 
