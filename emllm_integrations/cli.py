@@ -45,9 +45,12 @@ def demo(args: argparse.Namespace) -> int:
     answered by both, side by side, with times and memory."""
     from emllm import DEFAULT_MODEL, shared_engine
 
+    from emllm import EMConfig
+
     from .bench.ruler import family_document, score
     from .compare import compare
 
+    EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))  # bad settings fail before loading
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
     engine = shared_engine(args.model)  # compare's RAG side and EM-LLM side share these weights
     trained = engine.shape.max_positions
@@ -81,7 +84,15 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def chat(args: argparse.Namespace) -> int:
+    from emllm import EMConfig
+    from emllm.engine import check_sampling
+
+    check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads and the document is read
+    EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))
     path = args.file
+    if not os.path.isfile(path):  # a device such as /dev/zero would be read without end
+        print(f"emllm chat: {path} is not a regular file; give the path of a UTF-8 text file.", file=sys.stderr)
+        return 2
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
@@ -104,13 +115,23 @@ def chat(args: argparse.Namespace) -> int:
             question = input("> ").strip()
         except EOFError:
             break
+        except UnicodeDecodeError as error:  # a question that is not UTF-8: say so, keep the document
+            print(f"emllm chat: that question is not UTF-8 text ({error.reason}); ask again.", file=sys.stderr)
+            continue
         if not question:
             break
-        messages.append({"role": "user", "content": question})
-        stream = engine.stream(messages, memory=memory, max_new_tokens=args.max_new_tokens)
-        for delta in stream:
-            print(delta, end="", flush=True)
+        try:
+            stream = engine.stream([*messages, {"role": "user", "content": question}], memory=memory,
+                                   max_new_tokens=args.max_new_tokens)
+            for delta in stream:
+                print(delta, end="", flush=True)
+        except (ValueError, TypeError) as error:  # e.g. a control character the tokenizer cannot represent
+            print(f"\nemllm chat: {error} Ask again.", file=sys.stderr)
+            if memory.closed:  # a forward failed part-way: the memory cannot continue
+                return 1
+            continue
         print()
+        messages.append({"role": "user", "content": question})
         messages.append({"role": "assistant", "content": stream.result.text})
         if memory.token_ids != engine.chat_ids(messages, add_generation_prompt=False)[: memory.total_tokens]:
             # The answer re-tokenised differently: keep going, with the memory's own history as the record.
@@ -256,7 +277,13 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.set_defaults(run=bench)
 
     args = parser.parse_args(argv)
-    return args.run(args)
+    if args.run is bench:  # bench reports its own errors, cell by cell
+        return bench(args)
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as error:  # bad settings (ConfigError is a ValueError): one line with the fix
+        print(f"emllm {args.command}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -159,6 +159,9 @@ class EMConfig:
             raise ConfigError(f"gamma must be a finite number, got {self.gamma!r}.")
         if self.offload_dir is not None and not isinstance(self.offload_dir, (str, os.PathLike)):
             raise ConfigError(f"offload_dir must be a folder path or None, got {self.offload_dir!r}.")
+        if self.offload_dir is not None and os.path.exists(self.offload_dir) and not os.path.isdir(self.offload_dir):
+            raise ConfigError(f"offload_dir {str(self.offload_dir)!r} is a file, not a folder: give a folder (it is "
+                              "created if missing).")
         for name in ("ram_budget_mb", "device_budget_mb", "disk_budget_mb"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)

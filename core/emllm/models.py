@@ -521,8 +521,16 @@ def resolve_dtype(dtype: torch.dtype | str = "auto", device: str | torch.device 
 
 
 def _device_or_default(device: str | torch.device | None) -> torch.device:
-    """The device load_model uses when none is given: CUDA when present."""
-    return torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    """The device load_model uses when none is given: CUDA when present. A device this torch cannot use is refused
+    here, before any weights are read, instead of by torch's assertion mid-load."""
+    try:
+        chosen = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a device torch knows ({error}); use 'cpu' or 'cuda'.") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asks for CUDA, but this torch ({torch.__version__}) has no usable CUDA "
+                         "device: use device='cpu' (or None), or install a CUDA build of torch on a machine with a GPU.")
+    return chosen
 
 
 def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:

@@ -72,3 +72,26 @@ def test_a_cell_whose_process_fails_gives_error_rows_not_a_crash(tmp_path):
     for row in rows:
         assert row["correct"] is False and row["output"] == ""
         assert "exited with code" in row["error"] and "no-such-model" in row["error"]
+
+
+def test_cli_chat_survives_questions_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """A question holding a control character the tokenizer refuses, or bytes that are not UTF-8, is answered with
+    one line and the session goes on with the document already read; the next question is answered."""
+    document = tmp_path / "doc.txt"
+    document.write_text("The lighthouse keeper painted the door blue in 1911. " * 40)
+    questions = iter(["What colour is the door?\x04", UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+                      "What colour is the door?", EOFError()])
+
+    def ask(prompt=""):
+        item = next(questions)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", ask)
+    code = main(["chat", "--file", str(document), "--model", SMOL, "--max-new-tokens", "6", *LAYOUT])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-2000:]
+    assert "Traceback" not in printed.err
+    assert "not UTF-8" in printed.err and printed.err.count("Ask again") == 1
+    assert printed.out.strip()  # the good question was answered

@@ -311,3 +311,19 @@ def test_cli_refuses_an_out_that_is_a_file_before_measuring(tmp_path, capsys):
     assert main(["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(taken)]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
     assert taken.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["chat", "--file", "/dev/zero"], "is not a regular file"),
+    (["chat", "--file", __file__, "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
+    (["chat", "--file", __file__, "--n-local", "0"], "n_local"),
+    (["demo", "--n-local", "0"], "n_local"),
+])
+def test_chat_and_demo_refuse_bad_input_in_one_line_before_loading(argv, words, capsys):
+    from emllm.sessions import loaded_engines
+
+    before = loaded_engines()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+    assert loaded_engines() == before

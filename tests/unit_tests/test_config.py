@@ -309,3 +309,11 @@ def test_contiguity_neighbours_is_bounded_by_what_the_buffer_can_hold():
     assert EMConfig(contiguity=0.3, contiguity_neighbours=2048 // 8).contiguity_neighbours == 256
     with pytest.raises(ConfigError, match=r"contiguity_neighbours \(1000000\) is more than n_mem // min_block_size"):
         EMConfig(contiguity=0.3, contiguity_neighbours=10 ** 6)
+
+
+def test_an_offload_dir_that_is_a_file_is_refused(tmp_path):
+    taken = tmp_path / "pages"
+    taken.write_text("")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        EMConfig(offload_dir=str(taken), ram_budget_mb=1)
+    EMConfig(offload_dir=str(tmp_path / "new"), ram_budget_mb=1)  # a missing folder is created later

@@ -225,3 +225,11 @@ def test_load_model_from_tiny_local_directory(tmp_path):
     assert mapped.dtype == torch.float32
     assert all(p.device.type == "cpu" for p in mapped.parameters())
     torch.testing.assert_close(mapped(ids).logits, model.float()(ids).logits, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_is_refused_before_loading():
+    with pytest.raises(ValueError, match="has no usable CUDA device: use device='cpu'"):
+        models._device_or_default("cuda")
+    with pytest.raises(ValueError, match="is not a device torch knows"):
+        models._device_or_default("gpu0")
