@@ -563,7 +563,8 @@ def _expected_specs(info: dict[str, Any], model: dict[str, Any]) -> dict[str, di
                   info["kv_page_tokens"], info["evicted_tokens"], info["local_start"]]
     except (KeyError, TypeError) as error:
         raise MemoryFileError(f"{MANIFEST} lacks or garbles a required entry: {error!r}.") from error
-    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts) or info["kv_page_tokens"] < 1:
+    if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts) or info["kv_page_tokens"] < 1 \
+            or info["kv_pages"] != -(-info["evicted_tokens"] // info["kv_page_tokens"]):
         raise MemoryFileError(f"{MANIFEST} holds impossible counts in its 'memory' section: {info}.")
     return {STATE_FILE: state, KV_FILE: kv_file}
 
@@ -693,7 +694,11 @@ def _stream_kv(store: PageStore, path: Path, entry: dict, info: dict) -> None:
         if spec != {"dtype": _SAFETENSORS_CODE[store.dtype], "shape": [pages, *page_shape],
                     "data_offsets": [0, pages * page_bytes]}:
             raise MemoryFileError(f"{path} is damaged: its header describes {spec}, not the saved pages.")
-        buffer = bytearray(page_bytes)
+        # The pages must be in the file before a page's buffer is allocated: a forged page size cannot make the
+        # loader allocate more than the file holds.
+        if os.fstat(handle.fileno()).st_size - 8 - header_len < pages * page_bytes:
+            raise MemoryFileError(f"{path} is damaged: truncated, it holds fewer bytes than its {pages} pages.")
+        buffer = bytearray(page_bytes if pages else 0)
         for page_id in range(pages):
             if handle.readinto(buffer) != page_bytes:
                 raise MemoryFileError(f"{path} is damaged: truncated at page {page_id} of {pages}.")

@@ -362,6 +362,12 @@ DAMAGE = {
                       "exceed the layout"),
     "impossible config": (lambda p, e, t: rewrite_manifest(p, _set("config", "min_block_size", 999)), MANIFEST,
                           "min_block_size"),
+    # A forged page size must be refused before a page buffer of that size is allocated (1e8 tokens per page of
+    # even the tiny model would be gigabytes).
+    "page size forged": (lambda p, e, t: rewrite_manifest(p, _set("memory", "kv_page_tokens", 10 ** 8)), MANIFEST,
+                         "impossible counts"),
+    "no pages, huge page size": (lambda p, e, t: rewrite_manifest(p, lambda m: m["memory"].update(
+        kv_pages=0, evicted_tokens=0, kv_page_tokens=10 ** 8)), MANIFEST, "do not match the memory's counts"),
 }
 
 
