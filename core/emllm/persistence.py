@@ -429,8 +429,10 @@ def load_memory(path: str | os.PathLike, engine: "EngineLike", *, config: EMConf
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``metadata`` a save was made with, from its verified manifest (MemoryFileError if damaged)."""
+    """The ``metadata`` a save was made with, from its verified manifest (MemoryFileError if damaged); a save
+    interrupted between its two renames is repaired first, as load_memory does."""
     target = Path(path).absolute()
+    _tidy_siblings(target)
     if not target.is_dir():
         raise MemoryFileError(f"No saved memory at {target}: the directory does not exist.")
     metadata = _read_manifest(target).get("metadata", {})

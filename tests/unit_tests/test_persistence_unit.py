@@ -248,6 +248,17 @@ def test_a_crash_between_the_two_renames_is_repaired_on_load(engine, read_memory
     assert target.is_dir() and siblings(target) == []
 
 
+def test_reading_the_metadata_repairs_a_crash_between_the_two_renames_too(engine, read_memory, tmp_path):
+    """EMLLMQueryEngine.from_memory reads the metadata before loading: it must find the save load_memory would."""
+    from emllm.persistence import read_metadata
+
+    target = tmp_path / "m"
+    save_memory(read_memory, target, engine=engine, metadata={"kind": "documents"})
+    os.rename(target, tmp_path / f".m.old-{dead_pid()}-0123abcd")
+    assert read_metadata(target) == {"kind": "documents"}
+    assert target.is_dir() and siblings(target) == []
+
+
 def test_siblings_of_a_live_save_are_left_alone(engine, read_memory, tmp_path):
     target = tmp_path / "m"
     save_memory(read_memory, target, engine=engine)
