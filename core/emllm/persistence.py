@@ -113,6 +113,8 @@ def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "Eng
         raise ValueError(f"This memory was made for a model of shape {memory.shape}, but the engine passed runs "
                          f"{engine.shape}; pass the engine that made the memory.")
     target = Path(path).absolute()
+    if target.is_symlink():  # a link to a save: the save it names is replaced, the link stays
+        target = target.resolve()
     _check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     _tidy_siblings(target)

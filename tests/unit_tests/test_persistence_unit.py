@@ -259,6 +259,19 @@ def test_reading_the_metadata_repairs_a_crash_between_the_two_renames_too(engine
     assert target.is_dir() and siblings(target) == []
 
 
+def test_saving_through_a_symlink_replaces_the_save_it_names_and_keeps_the_link(engine, read_memory, tmp_path):
+    real = tmp_path / "saves" / "m"
+    save_memory(read_memory, real, engine=engine, metadata={"round": 1})
+    link = tmp_path / "current"
+    link.symlink_to(real, target_is_directory=True)
+    from emllm.persistence import read_metadata
+
+    save_memory(read_memory, link, engine=engine, metadata={"round": 2})
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert read_metadata(real) == {"round": 2} and read_metadata(link) == {"round": 2}
+    assert siblings(real) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["current", "saves"]
+
+
 def test_siblings_of_a_live_save_are_left_alone(engine, read_memory, tmp_path):
     target = tmp_path / "m"
     save_memory(read_memory, target, engine=engine)
