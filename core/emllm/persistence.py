@@ -47,7 +47,7 @@ import torch
 from .config import ConfigError, EMConfig
 from .memory import EpisodicMemory
 from .scoring import scorer_from_names, scorer_from_spec, scorer_to_spec
-from .storage import PageStore, StorageFullError
+from .storage import PageStore, StorageFullError, process_alive
 
 
 
@@ -372,7 +372,7 @@ def _tidy_siblings(target: Path) -> None:
     found = []
     for entry in target.parent.iterdir():
         match = _SIBLING.match(entry.name)
-        if match and match["name"] == target.name and not _alive(int(match["pid"])):
+        if match and match["name"] == target.name and not process_alive(int(match["pid"])):
             found.append((match["kind"], entry))
     if not target.exists():
         olds = sorted((e for kind, e in found if kind == "old" and (e / MANIFEST).is_file()),
@@ -383,18 +383,6 @@ def _tidy_siblings(target: Path) -> None:
     for _, entry in found:
         if entry.exists():
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ====================================================================== loading

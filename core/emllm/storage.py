@@ -46,13 +46,46 @@ class _Tier:
 
 
 class _Folder:
-    """A private temporary folder, removed when no store refers to it any more and at interpreter exit."""
+    """A private temporary folder, removed when no store refers to it any more and at interpreter exit. Its name
+    carries the owning process's id, so folders a crashed process left behind are removed by the next one."""
 
     def __init__(self, root: str | None):
         if root is not None:
             os.makedirs(root, exist_ok=True)
-        self.path = tempfile.mkdtemp(prefix="emllm-kv-", dir=root)
+        root = root if root is not None else tempfile.gettempdir()
+        remove_orphan_folders(root)
+        self.path = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-", dir=root)
         weakref.finalize(self, shutil.rmtree, self.path, True)
+
+
+_FOLDER_PREFIX = "emllm-kv-"
+
+
+def remove_orphan_folders(root: str) -> list[str]:
+    """Remove the page folders in ``root`` whose owning process is gone (a crash or a kill skips the clean-up at
+    exit); folders of live processes, and ones without an owner in their name, are left alone."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            owner = entry.name[len(_FOLDER_PREFIX):].split("-", 1)[0]
+            if entry.name.startswith(_FOLDER_PREFIX) and owner.isdigit() and entry.is_dir(follow_symlinks=False) \
+                    and not process_alive(int(owner)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one we may not signal counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class StorageFullError(OSError):

@@ -369,3 +369,27 @@ def test_full_disk_raises_storage_full_error(tiny_tmpfs):
     assert not [f for f in out["files"] if f.endswith(".tmp")]
     assert out["appended"] >= 256
     assert out["earlier_ok"]
+
+
+def test_page_folders_a_killed_process_left_are_removed_by_the_next_store(tmp_path):
+    """A read killed with pages on disk skips the clean-up at exit; the folder names its process, so the next store
+    in the same offload_dir removes it. Folders of live processes and foreign ones stay."""
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, torch
+        from emllm.storage import PageStore
+        store = PageStore(2, 1, 4, torch.float32, page_tokens=4, ram_budget_mb=0, offload_dir={str(tmp_path)!r})
+        store.append(torch.zeros(2, 2, 9, 1, 4))
+        print(store.disk_dir, flush=True)
+        os._exit(9)  # killed: no clean-up runs
+        """)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    orphan = Path(child.stdout.strip())
+    assert child.returncode == 9 and orphan.parent == tmp_path and any(orphan.iterdir())
+    live = tmp_path / f"emllm-kv-{os.getppid()}-live"  # our parent process: alive
+    foreign = tmp_path / "emllm-kv-abcd1234"           # no owner in its name (an earlier release's)
+    live.mkdir()
+    foreign.mkdir()
+    store = make_store(pages_in_ram=0, offload_dir=str(tmp_path))
+    fill(store, [12])
+    assert not orphan.exists() and live.is_dir() and foreign.is_dir()
+    assert Path(store.disk_dir).name.startswith(f"emllm-kv-{os.getpid()}-")
+    store.close()
