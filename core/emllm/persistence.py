@@ -396,6 +396,39 @@ def load_memory(path: str | os.PathLike, engine: "EngineLike", *, config: EMConf
     no memory is returned and nothing is left behind.
     """
     target = Path(path).absolute()
+    for attempt in range(_LOAD_ATTEMPTS):
+        before = _identity(target)
+        try:
+            return _load_once(target, engine, config)
+        except MemoryFileError:
+            # Another process replaced the save while this one read it (files of two saves mix): read it again.
+            if attempt == _LOAD_ATTEMPTS - 1 or before is None or _replaced_identity(target) in (before, None):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _replaced_identity(target: Path, wait_seconds: float = 1.0) -> tuple[int, int] | None:
+    """_identity(target), waiting a little while it is missing: a save renames the old directory aside before the
+    new one arrives."""
+    deadline = time.monotonic() + wait_seconds
+    while (now := _identity(target)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return now
+
+
+_LOAD_ATTEMPTS = 3
+
+
+def _identity(target: Path) -> tuple[int, int] | None:
+    """Which directory ``target`` names now (device, inode); None if none. A save replaces it whole."""
+    try:
+        info = os.stat(target)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _load_once(target: Path, engine: "EngineLike", config: EMConfig | None) -> EpisodicMemory:
     _tidy_siblings(target)
     if not target.is_dir():
         raise MemoryFileError(f"No saved memory at {target}: " + ("it is a file, not a directory."

@@ -272,6 +272,29 @@ def test_saving_through_a_symlink_replaces_the_save_it_names_and_keeps_the_link(
     assert siblings(real) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["current", "saves"]
 
 
+def test_a_load_that_races_a_save_of_the_same_path_reads_the_new_save(engine, read_memory, tmp_path, monkeypatch):
+    """Another process replaces the save after this load read its manifest: the files of two saves mix and the
+    checksums disagree, but both saves are good, so the load reads the path again instead of calling it damaged."""
+    target = tmp_path / "m"
+    save_memory(read_memory, target, engine=engine, metadata={"round": 1})
+    other = engine.new_memory()
+    engine.read(other, token_ids(260, seed=21))
+    real_read_state = persistence._read_state
+    raced = []
+
+    def read_state_while_a_save_lands(*args, **kwargs):
+        if not raced:
+            raced.append(True)
+            save_memory(other, target, engine=engine, metadata={"round": 2})  # the save lands mid-load
+        return real_read_state(*args, **kwargs)
+
+    monkeypatch.setattr(persistence, "_read_state", read_state_while_a_save_lands)
+    loaded = load_memory(target, engine)
+    assert raced and memory_differences(other, loaded) == []
+    loaded.close()
+    other.close()
+
+
 def test_siblings_of_a_live_save_are_left_alone(engine, read_memory, tmp_path):
     target = tmp_path / "m"
     save_memory(read_memory, target, engine=engine)
