@@ -145,11 +145,11 @@ class EMConfig:
         if not isinstance(self.contiguity, (int, float)) or isinstance(self.contiguity, bool) \
                 or not 0.0 <= self.contiguity < 1.0:
             raise ConfigError(f"contiguity is a fraction of n_mem in [0, 1), got {self.contiguity!r}.")
-        most_neighbours = self.n_mem // self.min_block_size  # more could never fit in the buffer
+        most_neighbours = max(8, self.n_mem // self.min_block_size)  # more could never fit in the buffer
         if self.contiguity_neighbours > most_neighbours:
             raise ConfigError(
-                f"contiguity_neighbours ({self.contiguity_neighbours}) is more than n_mem // min_block_size "
-                f"({most_neighbours}) events could hold: at most that many neighbours ever fit; lower it.")
+                f"contiguity_neighbours ({self.contiguity_neighbours}) is more than the {most_neighbours} events "
+                "n_mem // min_block_size could hold (at least 8): more neighbours never fit; lower it.")
         if self.max_block_size > self.similarity_tokens:
             raise ConfigError(
                 f"max_block_size ({self.max_block_size}) exceeds the similarity buffer ({self.similarity_tokens} "

@@ -307,7 +307,7 @@ def test_full_attention_skips_the_position_check():
 
 def test_contiguity_neighbours_is_bounded_by_what_the_buffer_can_hold():
     assert EMConfig(contiguity=0.3, contiguity_neighbours=2048 // 8).contiguity_neighbours == 256
-    with pytest.raises(ConfigError, match=r"contiguity_neighbours \(1000000\) is more than n_mem // min_block_size"):
+    with pytest.raises(ConfigError, match=r"contiguity_neighbours \(1000000\) is more than the 256 events"):
         EMConfig(contiguity=0.3, contiguity_neighbours=10 ** 6)
 
 
