@@ -24,7 +24,7 @@ from emllm import DEFAULT_PRESET, RetrievedEvent
 
 from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
-from .prompts import chat_frame, check_template, qa_suffix
+from .prompts import chat_frame, chat_header, check_template, qa_suffix
 from .rag import CHUNK_WORDS, TOP_K, RAGBaseline
 from .sources import context_tokens, event_spans
 
@@ -132,7 +132,7 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
 
     document_ids, offsets, doc_starts = context_tokens(engine, documents)
     chat = template == "chat"
-    header = chat_frame(engine, questions[0])[0] if chat else []  # the same for every question
+    header = chat_header(engine, template)
     context_ids = header + document_ids
     pool = MemoryPool(engine, config, max_memories=1)  # the pinned documents are what is reused
     rows: list[ComparisonRow] = []

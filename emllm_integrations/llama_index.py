@@ -35,7 +35,7 @@ from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
 
 from .async_bridge import iterate_in_thread
-from .prompts import chat_frame, check_template, qa_suffix
+from .prompts import chat_frame, chat_header, check_template, qa_suffix
 from .sampling import sampling_options
 from .sources import document_shares, tokenize_documents
 
@@ -321,7 +321,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         # Queries rarely extend each other, so few automatic checkpoints are kept; the documents stay pinned.
         pool = MemoryPool(engine, config, max_memories=2)
         document_ids, spans = tokenize_documents(engine, texts)
-        header = chat_frame(engine, "?")[0] if template == "chat" else []  # the turn's header, question-independent
+        header = chat_header(engine, template)
         context_ids = header + document_ids
         spans = [(start + len(header), end + len(header)) for start, end in spans]
         try:

@@ -67,4 +67,11 @@ def chat_frame(engine: Any, question: str) -> tuple[list[int], list[int]]:
     return engine.tokenize(text[:cut]), engine.tokenize(text[cut + len(_DOCUMENT_SLOT):])
 
 
+def chat_header(engine: Any, template: str) -> list[int]:
+    """The ids before the documents in a prompt of this frame (the chat turn's header; nothing for "text"): the
+    same for every question, so the documents' memory is read once with it."""
+    check_template(template)
+    return chat_frame(engine, "?")[0] if template == "chat" else []
+
+
 _DOCUMENT_SLOT = "<<document>>"  # where the document goes in the rendered template
