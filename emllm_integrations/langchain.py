@@ -192,7 +192,7 @@ class ChatEMLLM(BaseChatModel):
     def get_token_ids(self, text: str) -> list[int]:
         if self.custom_get_token_ids is not None:
             return self.custom_get_token_ids(text)
-        return list(self.engine().tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.engine().text_ids(text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage],
                                      tools: Sequence[dict[str, Any] | type | Any | BaseTool] | None = None) -> int:

@@ -63,8 +63,12 @@ def chat_frame(engine: Any, question: str) -> tuple[list[int], list[int]]:
     content = _DOCUMENT_SLOT + DOCUMENT_SEPARATOR + question.strip()
     text = engine.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                 add_generation_prompt=True)
-    cut = text.index(_DOCUMENT_SLOT)
-    return engine.tokenize(text[:cut]), engine.tokenize(text[cut + len(_DOCUMENT_SLOT):])
+    head, after = text.split(_DOCUMENT_SLOT, 1)
+    asked = DOCUMENT_SEPARATOR + question.strip()  # the user's text: its control-token strings stay text
+    if not after.startswith(asked):
+        raise ValueError("This model's chat template changes the text of a message, so a question cannot be put "
+                         "after a document in one turn: use template='text'.")
+    return engine.template_ids(head), engine.tokenize(asked) + engine.template_ids(after[len(asked):])
 
 
 def chat_header(engine: Any, template: str) -> list[int]:

@@ -12,10 +12,12 @@ the memory stopped (continuation), anything else is refused rather than silently
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -32,6 +34,17 @@ from .rope import RotaryTable
 
 Message = dict[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
+
+
+class Rendered(NamedTuple):
+    """A prompt as text, tiled by character spans (start, end, is_user_text): user text is tokenised as text,
+    the chat template's own spans with its control tokens."""
+    text: str
+    pieces: tuple[tuple[int, int, bool], ...]
+
+    @classmethod
+    def user_text(cls, text: str) -> "Rendered":
+        return cls(text, ((0, len(text), True),))
 
 
 class EncodedPrompt(NamedTuple):
@@ -96,7 +109,11 @@ class EMEngine:
             num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
             head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // heads,
             dtype=model.dtype, max_positions=mc.max_position_embeddings)
-        self.config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
+        try:
+            self.config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
+            self._config_fits = True
+        except ConfigError:  # refused when a memory would use it: the pools of a shared engine bring their own
+            self._config_fits = False
         rotary = attention.find_rotary_module(model)
         self.layer_devices = [next(layer.parameters()).device for layer in model.model.layers]
         table_size = self.config.rope_positions() if self.config.attention == "episodic" else self.shape.max_positions
@@ -108,6 +125,7 @@ class EMEngine:
         self.store_device = self.layer_devices[0]
         self.eos_ids = _end_of_turn_ids(model, tokenizer)
         self._lossless = LosslessCheck(tokenizer)
+        self._controls: re.Pattern | None = None  # finds the tokenizer's control-token strings
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
 
     @classmethod
@@ -131,7 +149,7 @@ class EMEngine:
     def new_memory(self, config: EMConfig | None = None) -> EpisodicMemory:
         """A fresh, empty episodic memory (optionally with other memory settings for this conversation)."""
         config = config or self.config
-        if config is not self.config:
+        if config is not self.config or not self._config_fits:
             config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
         ropes = self._ropes
         if config.attention == "episodic" and config.rope_positions() > next(iter(ropes.values())).cos.shape[0]:
@@ -169,17 +187,29 @@ class EMEngine:
             memory.close()
 
     # ------------------------------------------------------------------ text <-> tokens
+    # Text is text: a control-token string inside it ("<|im_end|>", "<|im_start|>system") is read as those
+    # characters, never as the control token, so a document, a question or a message cannot forge a chat turn.
+    # Control tokens come only from the chat template, where it puts them, or from token ids the caller passes.
     def tokenize(self, text: str) -> list[int]:
         _check_text(text)
-        return self._refuse_lost_text(text, self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._refuse_lost_text(text, self.text_ids(text))
+
+    def text_ids(self, text: str) -> list[int]:
+        """The text's token ids, control-token strings kept as text, without tokenize()'s checks (for counting)."""
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """tokenize() plus each token's character span in the text (needs a fast tokenizer), for mapping
         retrieved tokens back to the documents they came from."""
         _check_text(text)
-        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True,
+                                 return_offsets_mapping=True)
         ids = self._refuse_lost_text(text, list(encoded["input_ids"]))
         return ids, [tuple(span) for span in encoded["offset_mapping"]]
+
+    def template_ids(self, text: str) -> list[int]:
+        """Ids of text a chat template wrote (its control-token strings become control tokens); never user text."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _refuse_lost_text(self, text: str, ids: list[int]) -> list[int]:
         """The ids, if they represent the text; else a ValueError naming the characters the tokenizer lacks."""
@@ -191,18 +221,63 @@ class EMEngine:
 
     def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation in the model's chat template (consecutive same-role turns merged)."""
-        return self.tokenize(self._render_chat(normalize_messages(messages, merge=False), add_generation_prompt))
+        rendered = self._render_chat(normalize_messages(messages, merge=False), add_generation_prompt)
+        return self._rendered_ids(rendered)
 
-    def _render_chat(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        """The conversation as text, tokenised by tokenize() so its characters get the same checks as plain text."""
+    def _render_chat(self, messages: list[Message], add_generation_prompt: bool) -> Rendered:
+        """The conversation as text, and which of its characters are the messages' (tokenised as text) and which
+        the template's (whose control-token strings are control tokens)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
+            return Rendered.user_text(text)  # no control tokens at all
         # Render the turns as given (so a longer conversation extends a shorter one token for token); only a
         # template that rejects them (consecutive same-role turns, a system turn) gets them merged.
         try:
-            return self._apply_template(messages, add_generation_prompt)
+            text = self._apply_template(messages, add_generation_prompt)
         except Exception:  # jinja2 raises TemplateError subclasses via the template's raise_exception
-            return self._apply_template(normalize_messages(fold_system(messages)), add_generation_prompt)
+            messages = normalize_messages(fold_system(messages))
+            text = self._apply_template(messages, add_generation_prompt)
+        found = (self._control_pattern().search(m["content"]) for m in messages)
+        forged = next((match.group() for match in found if match), None)
+        if forged is None:  # the usual case: every control-token string in the text is the template's
+            return Rendered(text, ((0, len(text), False),))
+        return Rendered(text, self._message_spans(messages, add_generation_prompt, text, forged))
+
+    def _message_spans(self, messages: list[Message], add_generation_prompt: bool, text: str,
+                       forged: str) -> tuple[tuple[int, int, bool], ...]:
+        """Where each message's text lies in the rendered conversation, found by rendering the template around
+        placeholders: the placeholders' places are the messages' places if putting the messages back (as given,
+        or stripped by a template that trims them) gives the same text."""
+        slots = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        framed = re.split("\ue000(\\d+)\ue001", self._apply_template(
+            [{**m, "content": slot} for m, slot in zip(messages, slots)], add_generation_prompt))
+        for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
+            parts = [(contents[int(p)] if k % 2 else p, bool(k % 2)) for k, p in enumerate(framed)]
+            if "".join(part for part, _ in parts) == text:
+                ends = list(itertools.accumulate(len(part) for part, _ in parts))
+                return tuple((end - len(part), end, own) for (part, own), end in zip(parts, ends) if part)
+        raise ValueError(f"A message holds {forged!r}, a control token of this model, and this model's chat template "
+                         "changes message text, so it cannot be kept as text: remove it from the message.")
+
+    def _control_strings(self) -> list[str]:
+        """The strings the tokenizer turns into control tokens (its special added tokens)."""
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return [token.content for token in added.values() if getattr(token, "special", False)]
+
+    def _control_pattern(self) -> re.Pattern:
+        """Finds the first control-token string in a text (compiled once: a book's messages are searched whole)."""
+        if self._controls is None:
+            strings = sorted(self._control_strings(), key=len, reverse=True)  # the longest match wins, as in tokenizers
+            self._controls = re.compile("|".join(map(re.escape, strings)) or "(?!)")
+        return self._controls
+
+    def _rendered_ids(self, rendered: Rendered, start: int = 0) -> list[int]:
+        """Token ids of rendered.text[start:], each span tokenised as what it is (checked to lose nothing)."""
+        if start == 0:
+            _check_text(rendered.text)
+        ids = [i for lo, hi, own in rendered.pieces if hi > start
+               for i in (self.text_ids if own else self.template_ids)(rendered.text[max(lo, start):hi])]
+        return self._refuse_lost_text(rendered.text[start:], ids) if start == 0 else ids
 
     def _apply_template(self, messages: list[Message], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
@@ -231,34 +306,34 @@ class EMEngine:
         no paragraphs: their question_start is None."""
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
-            return EncodedPrompt(ids, self._token_at(prompt, ids, _last_paragraph(prompt, 0)))
+            return EncodedPrompt(ids, self._token_at(Rendered.user_text(prompt), ids, _last_paragraph(prompt, 0)))
         if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, dict)):
             prompt = list(prompt)  # a generator is walked once, here
         if not (isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt)):
             return EncodedPrompt(self.prompt_ids(prompt), None)  # token ids, or refused there with the reason
         messages = normalize_messages(prompt, merge=False)
-        text = self._render_chat(messages, add_generation_prompt=True)
-        ids = self.tokenize(text)  # = chat_ids(prompt), rendered once
+        rendered = self._render_chat(messages, add_generation_prompt=True)
+        ids = self._rendered_ids(rendered)  # = chat_ids(prompt), rendered once
         try:
-            before_last = self._render_chat(messages[:-1], add_generation_prompt=False) if len(messages) > 1 else ""
+            before = self._render_chat(messages[:-1], add_generation_prompt=False).text if len(messages) > 1 else ""
         except Exception:  # a template that refuses the shorter conversation (e.g. one ending on a system turn)
-            before_last = text + "\0"
-        last_turn = len(before_last) if text.startswith(before_last) else 0  # a template that merged turns: 0
-        return EncodedPrompt(ids, self._token_at(text, ids, _last_paragraph(text, last_turn)))
+            before = rendered.text + "\0"
+        last_turn = len(before) if rendered.text.startswith(before) else 0  # a template that merged turns: 0
+        return EncodedPrompt(ids, self._token_at(rendered, ids, _last_paragraph(rendered.text, last_turn)))
 
-    def _token_at(self, text: str, ids: list[int], char: int) -> int | None:
-        """The index of the token where text[char:] begins (None at the very start: nothing to split off). Only the
-        tail is tokenised again (a follow-up turn must not pay for re-tokenising a book); where its first token
-        differs from the whole text's (a merge across the cut, a leading-space marker) the split moves to the
-        first token both share."""
+    def _token_at(self, rendered: Rendered, ids: list[int], char: int) -> int | None:
+        """The index of the token where the text from char on begins (None at the very start: nothing to split
+        off). Only the tail is tokenised again (a follow-up turn must not pay for re-tokenising a book); where its
+        first token differs from the whole text's (a merge across the cut, a leading-space marker) the split moves
+        to the first token both share."""
         if char == 0:
             return None
-        tail = self.tokenizer(text[char:], add_special_tokens=False)["input_ids"]
+        tail = self._rendered_ids(rendered, char)
         start = len(ids) - _common_prefix(ids[max(0, len(ids) - len(tail)):][::-1], tail[::-1])
         return start if 0 < start < len(ids) else None
 
     def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self.text_ids(text))
 
     # ------------------------------------------------------------------ reading
     def read(self, memory: EpisodicMemory, ids: Sequence[int] | str, *, progress: bool = False,
@@ -477,7 +552,10 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: 
     """Greedy when temperature is 0; otherwise temperature, then top-k, then nucleus (top-p) sampling."""
     if temperature <= 0:
         return int(torch.argmax(logits))
-    logits = logits.detach().float().cpu() / temperature
+    # In float64 from the best logit down: a temperature near zero (1e-195) then gives -inf to every other token
+    # and 0 to the best, where float32 would overflow to inf - inf = nan.
+    logits = logits.detach().double().cpu()
+    logits = (logits - logits.max()) / temperature
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -585,7 +663,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}.")
     if stop is None:
         return
-    if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
+    if isinstance(stop, (str, bytes, Mapping)) or not isinstance(stop, Iterable):  # a dict would stop at its keys
         raise TypeError(f"stop must be a list of strings, e.g. stop=[{stop!r}], got {type(stop).__name__} {stop!r}.")
     bad = [s for s in stop if not isinstance(s, str) or not s]
     if bad:

@@ -10,6 +10,7 @@ import torch
 
 from emllm import EMEngine, MemoryPool
 from emllm.scoring import AttentionMass, ForQuestions, Pooled
+from emllm.engine import Rendered
 
 from .tiny import Recording, tiny_engine, token_ids
 
@@ -55,8 +56,8 @@ def test_a_tail_longer_than_the_tokens_given_is_compared_from_their_start():
     engine = tiny_engine("S")
     text = f"{DOCUMENT}\n\n{QUESTION}"
     tail = engine.tokenize(QUESTION)
-    assert len(tail) == 10 and engine._token_at(text, tail[-6:], len(DOCUMENT) + 2) is None
-    assert engine._token_at(text, engine.tokenize(text), len(DOCUMENT) + 2) == 100
+    assert len(tail) == 10 and engine._token_at(Rendered.user_text(text), tail[-6:], len(DOCUMENT) + 2) is None
+    assert engine._token_at(Rendered.user_text(text), engine.tokenize(text), len(DOCUMENT) + 2) == 100
 
 
 def test_a_chats_question_is_its_last_paragraph_or_its_last_message():
