@@ -34,6 +34,14 @@ def test_top_k_one_is_argmax_even_when_hot():
     assert {sample_token(logits, 50.0, 1.0, 1, generator) for _ in range(200)} == {best}
 
 
+@pytest.mark.parametrize("temperature", [6.4e-195, 5e-324, 1e-30])
+def test_a_temperature_near_zero_samples_the_best_token_instead_of_failing(temperature):
+    """Found by the call-option fuzz: float32 logits / 6.4e-195 overflowed to inf, and softmax gave nan."""
+    logits = random_logits(seed=4)
+    assert sample_token(logits, temperature, 0.9, 5, seeded(4)) == int(logits.argmax())
+    assert sample_token(logits.bfloat16(), temperature, 1.0, 0, seeded(4)) == int(logits.bfloat16().argmax())
+
+
 def test_tiny_top_p_is_argmax():
     logits = random_logits(seed=2)
     best = int(logits.argmax())
@@ -343,6 +351,7 @@ def test_layers_holding_counts_each_layer_once_for_a_span_across_events():
     (dict(stop=[None]), TypeError, "non-empty strings only"),  # not dropped silently
     (dict(stop=["ok", ""]), TypeError, "non-empty strings only"),
     (dict(stop=3), TypeError, "list of strings"),
+    (dict(stop={"a": 1}), TypeError, "list of strings"),    # a dict would stop at its keys (found by the fuzz)
     (dict(seed="abc"), ValueError, "seed must be None or an integer"),
     (dict(seed=1.5), ValueError, "seed must be None or an integer"),
     (dict(seed=2 ** 80), ValueError, "seed must be None or an integer"),
