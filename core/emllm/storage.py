@@ -22,6 +22,7 @@ import contextlib
 import copy
 import errno
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -47,18 +48,25 @@ class _Tier:
 
 class _Folder:
     """A private temporary folder, removed when no store refers to it any more and at interpreter exit. Its name
-    carries the owning process's id, so folders a crashed process left behind are removed by the next one."""
+    carries the owning process's id and start time, so folders a crashed process left behind are removed by the
+    next one, even where the id has since been given to another process."""
 
     def __init__(self, root: str | None):
         if root is not None:
             os.makedirs(root, exist_ok=True)
         root = root if root is not None else tempfile.gettempdir()
         remove_orphan_folders(root)
-        self.path = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{os.getpid()}-", dir=root)
+        self.path = tempfile.mkdtemp(prefix=f"{_FOLDER_PREFIX}{owner_mark(os.getpid())}-", dir=root)
         weakref.finalize(self, shutil.rmtree, self.path, True)
 
 
 _FOLDER_PREFIX = "emllm-kv-"
+
+
+def owner_mark(pid: int) -> str:
+    """"PID.START" (START: when the process began, in clock ticks since boot) where /proc says, else "PID"."""
+    start = process_start(pid)
+    return f"{pid}.{start}" if start is not None else str(pid)
 
 
 def remove_orphan_folders(root: str) -> list[str]:
@@ -67,18 +75,37 @@ def remove_orphan_folders(root: str) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
-            owner = entry.name[len(_FOLDER_PREFIX):].split("-", 1)[0]
-            if entry.name.startswith(_FOLDER_PREFIX) and owner.isdigit() and entry.is_dir(follow_symlinks=False) \
-                    and not process_alive(int(owner)):
+            owner = re.fullmatch(r"(\d+)(?:\.(\d+))?", entry.name[len(_FOLDER_PREFIX):].split("-", 1)[0])
+            if entry.name.startswith(_FOLDER_PREFIX) and owner and entry.is_dir(follow_symlinks=False) \
+                    and not process_alive(int(owner[1]), owner[2]):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed
 
 
-def process_alive(pid: int) -> bool:
-    """Whether a process with this id exists (one we may not signal counts as alive)."""
+def process_alive(pid: int, start: str | None = None) -> bool:
+    """Whether a process with this id exists (one we may not signal counts as alive), and, given the start time
+    it had, is still that process and not a later one that reused the id."""
     if pid == os.getpid():
-        return True
+        return start is None or start == process_start(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = process_start(pid) if start is not None else None
+    return now is None or now == start
+
+
+def process_start(pid: int) -> str | None:
+    """The process's start time from /proc/PID/stat (field 22; the command name before it may hold spaces), or
+    None where there is no /proc (macOS) or no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

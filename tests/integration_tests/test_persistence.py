@@ -152,7 +152,7 @@ def test_a_save_killed_at_random_moments_leaves_the_old_or_the_new_save(engine, 
     os.close(read_end), os.close(write_end)
     save_memory(old, target, engine=engine)
     rng = random.Random(1)
-    delays = sorted(rng.uniform(0, 1.3 * duration) for _ in range(10))
+    delays = sorted(rng.uniform(0, 1.3 * duration) for _ in range(20))
     seen, killed = {"old": 0, "new": 0}, 0
     for delay in delays:
         status = kill_after(lambda: save_memory(read_memory, target, engine=engine), delay)
@@ -167,6 +167,47 @@ def test_a_save_killed_at_random_moments_leaves_the_old_or_the_new_save(engine, 
             save_memory(old, target, engine=engine)
     print(f"\n{len(delays)} kill points over {duration * 1000:.0f} ms; {killed} killed mid-save; outcomes {seen}")
     assert sum(seen.values()) == len(delays)
+
+
+def test_reads_with_disk_offload_killed_at_random_moments_leave_no_folders_and_the_save_answers_alike(
+        engine, saved, offload):
+    """A read killed mid-way skips every clean-up: its page folder stays until the next store in the same
+    offload_dir sees that the process which made it is gone. The save made before is untouched."""
+    def answer():
+        memory = load_memory(saved, engine)
+        try:
+            return engine.generate(memory.token_ids + engine.tokenize(QUESTION), memory=memory,
+                                   max_new_tokens=6).token_ids
+        finally:
+            memory.close()
+
+    before = answer()
+    read_end, write_end = os.pipe()
+
+    def read(report: bool = False):
+        started = time.perf_counter()
+        memory = engine.new_memory()
+        engine.read(memory, document(seed=3))
+        if report:
+            os.write(write_end, f"{time.perf_counter() - started} {os.getpid()}".encode())
+
+    assert os.WEXITSTATUS(run_child(lambda: read(report=True))) == 0
+    duration = float(os.read(read_end, 100).split()[0])
+    os.close(read_end), os.close(write_end)
+    rng = random.Random(2)
+    delays = sorted(rng.uniform(0, 1.2 * duration) for _ in range(20))
+    killed = sum(os.WIFSIGNALED(kill_after(read, delay)) for delay in delays)
+    left = [name for name in os.listdir(offload) if name.startswith("emllm-kv-")]
+    fresh = engine.new_memory()  # the next store in this offload_dir
+    engine.read(fresh, document(seed=4))
+    assert fresh.store.tier_tokens()["disk"] > 0
+    owners = {name.split("-")[2].split(".")[0] for name in os.listdir(offload) if name.startswith("emllm-kv-")}
+    fresh.close()
+    print(f"\n{len(delays)} kill points over {duration * 1000:.0f} ms; {killed} killed mid-read; "
+          f"{len(left)} page folders before the next store, owners after it: {sorted(owners)}")
+    assert killed >= 10  # most kill points fell inside the read
+    assert owners <= {str(os.getpid())}  # only this (live) process's folders remain
+    assert answer() == before
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from emllm import storage
-from emllm.storage import PageStore, StorageFullError
+from emllm.storage import PageStore, StorageFullError, owner_mark, process_start
 from tests.tmpfs import mounted_tmpfs
 
 LAYERS, KV, D, PAGE = 2, 2, 4, 8
@@ -384,12 +384,18 @@ def test_page_folders_a_killed_process_left_are_removed_by_the_next_store(tmp_pa
         """)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     orphan = Path(child.stdout.strip())
     assert child.returncode == 9 and orphan.parent == tmp_path and any(orphan.iterdir())
-    live = tmp_path / f"emllm-kv-{os.getppid()}-live"  # our parent process: alive
-    foreign = tmp_path / "emllm-kv-abcd1234"           # no owner in its name (an earlier release's)
-    live.mkdir()
-    foreign.mkdir()
+    parent = os.getppid()
+    live = tmp_path / f"emllm-kv-{owner_mark(parent)}-live"      # our parent process: alive
+    pid_only = tmp_path / f"emllm-kv-{parent}-no-start-time"      # alive by its id (made where /proc is absent)
+    reused = tmp_path / f"emllm-kv-{parent}.1-reused"             # its id now belongs to a process started later
+    foreign = tmp_path / "emllm-kv-abcd1234"                      # no owner in its name (an earlier release's)
+    for folder in (live, pid_only, reused, foreign):
+        folder.mkdir()
     store = make_store(pages_in_ram=0, offload_dir=str(tmp_path))
     fill(store, [12])
-    assert not orphan.exists() and live.is_dir() and foreign.is_dir()
-    assert Path(store.disk_dir).name.startswith(f"emllm-kv-{os.getpid()}-")
+    assert not orphan.exists() and not reused.exists()
+    assert live.is_dir() and pid_only.is_dir() and foreign.is_dir()
+    assert Path(store.disk_dir).name.startswith(f"emllm-kv-{owner_mark(os.getpid())}-")
+    if process_start(os.getpid()) is not None:  # Linux: the mark holds the start time
+        assert owner_mark(os.getpid()) == f"{os.getpid()}.{process_start(os.getpid())}"
     store.close()
