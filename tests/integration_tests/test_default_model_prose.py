@@ -9,8 +9,7 @@ the default E 14/20 [48-85%], RAG 9/20; on a 3-fact document of this kind full a
 On this document (10 facts) compare's EM-LLM answered 5, RAG 2, and the LCEL chain and the query engine gave
 compare's answers word for word. So compare's EM-LLM must answer at least 4 of the 10 (one of slack for other
 CPUs' arithmetic, e.g. float32 where bf16 is emulated) and at least as many as RAG on the same LLM; the LCEL chain
-and the query engine must answer alike (test_default_model_surfaces.py, a module of its own so the two reads run
-beside this one). How the default does past the model's window, and on more questions, is the benchmark's job
+and the query engine must answer alike (test_default_model_surfaces.py, on a 6K-token document of the same kind). How the default does past the model's window, and on more questions, is the benchmark's job
 (benchmarks/RESULTS.md), not the suite's.
 
 Each surface reads the document once (about 16K tokens: 2-4 minutes on one core), then only each question."""

@@ -3,8 +3,8 @@
 EM-LLM with surprise events (S) must answer at three depths, with modularity-refined events (SM) at the middle one
 (the other two add 5 minutes to the suite and nothing SM-specific). Plain full
 attention cannot answer past the trained context (positions past 8K are outside what the model was trained on): the
-suite asserts it at 16K tokens (2x), depth 0.5, since quadratic attention over 32K takes about 10 minutes per depth on
-2 cores; EMLLM_ALL_DEPTHS=1 runs 32K at all three depths.
+suite asserts it at 12K tokens (1.5x), depth 0.5, since quadratic attention over 32K takes about 10 minutes per depth
+on 2 cores; EMLLM_ALL_DEPTHS=1 runs 32K at all three depths.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from emllm_integrations.bench import read_each
 from emllm_integrations.bench.tasks import passkey_document
 
 TOKENS = 32_768
-FULL_TOKENS = TOKENS if os.environ.get("EMLLM_ALL_DEPTHS") == "1" else 16_384  # 2x the trained context
+FULL_TOKENS = TOKENS if os.environ.get("EMLLM_ALL_DEPTHS") == "1" else 12_288  # 1.5x the trained context
 DEPTHS = (0.1, 0.5, 0.9)
 # A lighter layout than the defaults keeps three depths x two methods within the suite's time budget.
 LAYOUT = dict(n_local=256, n_mem=512, chunk_size=256)
@@ -73,5 +73,5 @@ FULL_DEPTHS = [pytest.param(depth, marks=[] if depth == 0.5 or ALL_DEPTHS else p
 def test_full_attention_cannot(smol_fast, depth):
     engine = EMEngine(*smol_fast, EMConfig.from_preset("full"))
     doc, result, _ = _ask(engine, depth, FULL_TOKENS)
-    assert result.input_tokens >= FULL_TOKENS > 2 * engine.shape.max_positions - 1
+    assert result.input_tokens >= FULL_TOKENS >= 1.5 * engine.shape.max_positions
     assert doc.answer not in result.text, f"full attention unexpectedly found the key: {result.text!r}"
