@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import attention, persistence
-from .config import DEFAULT_PRESET, ConfigError, EMConfig
+from .config import DEFAULT_PRESET, EMConfig
 from .lossless import LosslessCheck
 from .forward import layer_attention
 from .memory import EpisodicMemory, ModelShape, RetrievedEvent, because
@@ -109,11 +109,11 @@ class EMEngine:
             num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
             head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // heads,
             dtype=model.dtype, max_positions=mc.max_position_embeddings)
-        try:
-            self.config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
-            self._config_fits = True
-        except ConfigError:  # refused when a memory would use it: the pools of a shared engine bring their own
-            self._config_fits = False
+        # A config given is checked now; the default one only when a memory uses it (a shared engine's pools bring
+        # their own, so a small model must not be refused for a default layout it never runs).
+        if config is not None:
+            config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
+        self._config_fits = config is not None
         rotary = attention.find_rotary_module(model)
         self.layer_devices = [next(layer.parameters()).device for layer in model.model.layers]
         table_size = self.config.rope_positions() if self.config.attention == "episodic" else self.shape.max_positions
@@ -129,7 +129,7 @@ class EMEngine:
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, preset: str = DEFAULT_PRESET, config: EMConfig | None = None,
+    def from_pretrained(cls, model: str | None = None, *, preset: str | None = None, config: EMConfig | None = None,
                         dtype: torch.dtype | str = "auto", device: str | None = None,
                         device_map: str | dict | None = None, progress: bool = True, **overrides: Any) -> "EMEngine":
         """Load a model (None = the embedded default) and give it an episodic memory.
@@ -138,8 +138,8 @@ class EMEngine:
         """
         from .models import DEFAULT_MODEL, load_model
 
-        if config is None:
-            config = EMConfig.from_preset(preset, **overrides)
+        if config is None and (preset is not None or overrides):  # None of both: the default, checked on use
+            config = EMConfig.from_preset(preset or DEFAULT_PRESET, **overrides)
         elif overrides:
             config = config.replace(**overrides)
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map, progress=progress)

@@ -394,3 +394,20 @@ def test_a_memory_that_is_not_one_is_refused_with_the_fix():
 
     with pytest.raises(TypeError, match=r"memory must be an EpisodicMemory \(engine.new_memory\(\)\)"):
         tiny_engine("S").generate([5, 6, 7], memory="x")
+
+
+# ----------------------------------------------------------------------------- the engine's default config
+def test_a_default_layout_the_model_cannot_hold_is_refused_when_used_not_when_loading():
+    """A shared engine (ChatEMLLM, EMLLM) is loaded with the default config, which its pools never use: they bring
+    their own. A small model (512 positions here, 4,352 needed by the default) must load; a memory that would use
+    the default is refused then, naming the field, and a config given explicitly is checked at once."""
+    from emllm import ConfigError, EMConfig, EMEngine
+
+    from .tiny import TINY, tiny_model, tiny_tokenizer
+
+    engine = EMEngine(tiny_model(), tiny_tokenizer())
+    with pytest.raises(ConfigError, match="n_local"):
+        engine.new_memory()
+    engine.new_memory(EMConfig.from_preset("E", **TINY)).close()
+    with pytest.raises(ConfigError, match="n_local"):
+        EMEngine(tiny_model(), tiny_tokenizer(), EMConfig.from_preset("E"))
