@@ -45,6 +45,7 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
@@ -202,10 +203,51 @@ class ChatEMLLM(BaseChatModel):
             raise ValueError("ChatEMLLM has no tool calling, so tools cannot be counted: pass tools=None.")
         return len(self.engine().prompt_ids(to_engine_messages(messages)))
 
+    # ------------------------------------------------------------------ serialisation and profile
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """Settings only (no weights, no memory): ``load(dumpd(llm), valid_namespaces=["emllm_integrations"])``
+        gives an equal model."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["emllm_integrations", "langchain"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        """The unused ``api_key`` is written as a reference to this variable, never as its value."""
+        return {"api_key": "EMLLM_API_KEY"}
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What this model does, for code that picks models by capability. An episodic memory has no input limit
+        unless ``max_input_tokens`` is set."""
+        profile = ModelProfile(name=self._display_name(), open_weights=True, text_inputs=True, text_outputs=True,
+                               image_inputs=False, audio_inputs=False, pdf_inputs=False, video_inputs=False,
+                               tool_calling=False, tool_choice=False, structured_output=False, temperature=True)
+        limit = self.em_config().max_input_tokens
+        if limit is not None:
+            profile["max_input_tokens"] = limit
+        return profile
+
+    # ------------------------------------------------------------------ what is not supported, said plainly
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "ChatEMLLM has no tool calling yet. Call the tool yourself and pass its result as text in a "
+            "HumanMessage, or use a chat model with tool calling for the agent and ChatEMLLM for the long-document "
+            "questions.")
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "ChatEMLLM has no structured output yet: its decoding is not constrained by a schema. Ask for the fields "
+            "in the prompt and parse the text (e.g. with langchain_core.output_parsers.PydanticOutputParser), and "
+            "check the result.")
+
     # ------------------------------------------------------------------ generation
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
+        return _with_llm_output(generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager,
+                                                                  **kwargs)))
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
@@ -226,7 +268,8 @@ class ChatEMLLM(BaseChatModel):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
-        return await agenerate_from_stream(self._astream(messages, stop=stop, run_manager=run_manager, **kwargs))
+        return _with_llm_output(await agenerate_from_stream(self._astream(messages, stop=stop,
+                                                                          run_manager=run_manager, **kwargs)))
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
@@ -325,6 +368,17 @@ def _last_chunk(result: GenerationResult, model_name: str) -> ChatGenerationChun
                 "decode_seconds": result.decode_seconds}
     message = AIMessageChunk(content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last")
     return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
+
+
+def _with_llm_output(result: ChatResult) -> ChatResult:
+    """The call's model and token usage as ``llm_output`` too, where ``on_llm_end`` handlers look for them."""
+    message = result.generations[0].message
+    usage = getattr(message, "usage_metadata", None) or {}
+    result.llm_output = {"model_name": message.response_metadata.get("model_name"),
+                         "token_usage": {"prompt_tokens": usage.get("input_tokens", 0),
+                                         "completion_tokens": usage.get("output_tokens", 0),
+                                         "total_tokens": usage.get("total_tokens", 0)}}
+    return result
 
 
 def _check_model(model: str | None) -> None:

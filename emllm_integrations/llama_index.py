@@ -155,50 +155,58 @@ class EMLLM(CustomLLM):
         return {**sampling_options(**values), "progress": self.progress}
 
     # ------------------------------------------------------------------ completion (raw text)
+    # The decorated methods fire LlamaIndex's callback events (token counting, tracing) once; each calls an
+    # undecorated body, which the async methods run in a thread, so an async call is counted once too.
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        options = self._options(kwargs)
-        text = prompt if formatted else self.completion_to_prompt(prompt)
-        return _completion(self.pool.generate(text, **options))
+        return self._complete_body(prompt, formatted, self._options(kwargs))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        options = self._options(kwargs)
+        return self._stream_complete_body(prompt, formatted, self._options(kwargs))
+
+    def _complete_body(self, prompt: str, formatted: bool, options: dict[str, Any]) -> CompletionResponse:
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        return _completion(self.pool.generate(text, **options))
+
+    def _stream_complete_body(self, prompt: str, formatted: bool, options: dict[str, Any]) -> CompletionResponseGen:
         text = prompt if formatted else self.completion_to_prompt(prompt)
         return _cumulative(self.pool.stream(text, **options), _completion)
 
     # ------------------------------------------------------------------ chat (the model's chat template)
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        options = self._options(kwargs)
-        return _chat(self.pool.generate(to_engine_messages(messages), **options))
+        return self._chat_body(messages, self._options(kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        options = self._options(kwargs)
+        return self._stream_chat_body(messages, self._options(kwargs))
+
+    def _chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponse:
+        return _chat(self.pool.generate(to_engine_messages(messages), **options))
+
+    def _stream_chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponseGen:
         return _cumulative(self.pool.stream(to_engine_messages(messages), **options), _chat)
 
     # ------------------------------------------------------------------ async: the work runs in a thread
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        self._options(kwargs)
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+        return await asyncio.to_thread(self._complete_body, prompt, formatted, self._options(kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        self._options(kwargs)
-        return iterate_in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+        options = self._options(kwargs)
+        return iterate_in_thread(lambda: self._stream_complete_body(prompt, formatted, options))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        self._options(kwargs)
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
+        return await asyncio.to_thread(self._chat_body, messages, self._options(kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        self._options(kwargs)
-        return iterate_in_thread(lambda: self.stream_chat(messages, **kwargs))
+        options = self._options(kwargs)
+        return iterate_in_thread(lambda: self._stream_chat_body(messages, options))
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:

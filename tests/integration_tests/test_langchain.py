@@ -91,6 +91,25 @@ def test_stream_yields_deltas_that_join_to_the_invoked_answer(llm):
     assert full.response_metadata["finish_reason"] in ("stop", "length")
 
 
+class EndRecorder(BaseCallbackHandler):
+    def __init__(self):
+        self.outputs: list = []
+
+    def on_llm_end(self, response, **kwargs):
+        self.outputs.append(response.llm_output)
+
+
+def test_on_llm_end_gets_the_model_and_token_usage(llm):
+    recorder = EndRecorder()
+    message = llm.invoke(QUESTION, config={"callbacks": [recorder]})
+    asyncio.run(llm.ainvoke(QUESTION, config={"callbacks": [recorder]}))
+    usage = message.usage_metadata
+    expected = {"model_name": SMOL, "token_usage": {"prompt_tokens": usage["input_tokens"],
+                                                    "completion_tokens": usage["output_tokens"],
+                                                    "total_tokens": usage["total_tokens"]}}
+    assert recorder.outputs == [expected, expected]  # greedy: the async call gives the same answer
+
+
 def test_callbacks_see_each_delta_when_invoking_and_streaming(llm):
     invoked = TokenRecorder()
     answer = llm.invoke(QUESTION, config={"callbacks": [invoked]})

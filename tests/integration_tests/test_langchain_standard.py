@@ -51,6 +51,14 @@ class TestChatEMLLMStandard(ChatModelIntegrationTests):
         return OTHER_MODEL if is_embedded_available(OTHER_MODEL) else None
 
     @property
+    def has_tool_calling(self) -> bool:
+        return False  # bind_tools is overridden only to say so plainly
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
     def supported_usage_metadata_details(self) -> dict:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 

@@ -194,6 +194,26 @@ async def test_async_calls_leave_the_event_loop_free(llm):
     assert "".join(p.delta for p in streamed) == streamed[-1].text == completion.text
 
 
+async def test_async_calls_are_counted_once_like_sync_ones(llm):
+    """Before: each async method called its decorated sync twin in a thread, so callbacks fired twice and
+    TokenCountingHandler counted 78 tokens for a 39-token call."""
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    counter = TokenCountingHandler(tokenizer=llm.pool.engine.text_ids)
+    counted = EMLLM(model=SMOL, max_tokens=12, callback_manager=CallbackManager([counter]), **SMALL)
+    messages = [ChatMessage(role="user", content="Name a fruit.")]
+    counts = []
+    for call in (lambda: counted.chat(messages), lambda: counted.achat(messages),
+                 lambda: counted.complete("Two plus"), lambda: counted.acomplete("Two plus")):
+        counter.reset_counts()
+        result = call()
+        if asyncio.iscoroutine(result):
+            await result
+        counts.append((len(counter.llm_token_counts), counter.total_llm_token_count))
+    assert counts[0] == counts[1] and counts[2] == counts[3], counts
+    assert all(events == 1 and tokens > 0 for events, tokens in counts), counts
+
+
 # ---------------------------------------------------------------------- EMLLM inside stock LlamaIndex engines
 def test_settings_llm_in_a_stock_query_engine(settings_llm, index):
     response = index.as_query_engine(similarity_top_k=2).query(FLOWER_QUESTION)
