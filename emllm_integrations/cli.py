@@ -43,9 +43,7 @@ def demo(args: argparse.Namespace) -> int:
     """What the project is for, in one run: a long document of real prose (Paul Graham's essays, with facts placed in
     it at spread depths) read once by EM-LLM, indexed once by RAG, and questions that use other words than the facts
     answered by both, side by side, with times and memory."""
-    from emllm import DEFAULT_MODEL, shared_engine
-
-    from emllm import EMConfig
+    from emllm import DEFAULT_MODEL, EMConfig, shared_engine
 
     from .bench.ruler import family_document, score
     from .compare import compare

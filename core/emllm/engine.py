@@ -663,7 +663,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float, top_k:
         raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}.")
     if stop is None:
         return
-    if isinstance(stop, (str, bytes, Mapping)) or not isinstance(stop, Iterable):  # a dict would stop at its keys
+    # A dict would stop at its keys; an iterator would be used up by this check and leave no stops.
+    if isinstance(stop, (str, bytes, Mapping, Iterator)) or not isinstance(stop, Iterable):
         raise TypeError(f"stop must be a list of strings, e.g. stop=[{stop!r}], got {type(stop).__name__} {stop!r}.")
     bad = [s for s in stop if not isinstance(s, str) or not s]
     if bad:

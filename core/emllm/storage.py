@@ -106,13 +106,6 @@ def process_start(pid: int) -> str | None:
             return handle.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class StorageFullError(OSError):

@@ -352,6 +352,7 @@ def test_layers_holding_counts_each_layer_once_for_a_span_across_events():
     (dict(stop=["ok", ""]), TypeError, "non-empty strings only"),
     (dict(stop=3), TypeError, "list of strings"),
     (dict(stop={"a": 1}), TypeError, "list of strings"),    # a dict would stop at its keys (found by the fuzz)
+    (dict(stop=iter(["x"])), TypeError, "list of strings"),  # a one-pass iterator: the check would use it up
     (dict(seed="abc"), ValueError, "seed must be None or an integer"),
     (dict(seed=1.5), ValueError, "seed must be None or an integer"),
     (dict(seed=2 ** 80), ValueError, "seed must be None or an integer"),
