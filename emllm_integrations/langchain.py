@@ -37,35 +37,46 @@ test_default_model_prose.py).
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, ToolMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
+from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
-from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool, shared_engine
+from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, Grammar, MemoryPool, shared_engine
+from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
 from emllm.engine import check_sampling
 from emllm.sessions import shared_pool
 from emllm.models import is_embedded_available, resolve_model_dir
 
 from .async_bridge import iterate_in_thread
 from .sampling import sampling_options
+from .tool_choice import chosen_tools, tool_decoding
 
 #: EMConfig fields, settable on ChatEMLLM by name (``ChatEMLLM(n_local=1024)``).
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EMConfig) if f.name != "extra")
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.7)`` or ``llm.bind(max_tokens=16)``).
-CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed")
+CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed", "tools", "tool_choice",
+                "response_format")
 
+_CALL_BLOCKS = ("tool_use", "tool_call", "function_call")
 _ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 
 
@@ -199,9 +210,8 @@ class ChatEMLLM(BaseChatModel):
                                      tools: Sequence[dict[str, Any] | type | Any | BaseTool] | None = None) -> int:
         """The prompt tokens these messages cost: the chat template with the assistant's turn opened, exactly what
         a call reads (and reports as ``usage_metadata["input_tokens"]``)."""
-        if tools:
-            raise ValueError("ChatEMLLM has no tool calling, so tools cannot be counted: pass tools=None.")
-        return len(self.engine().prompt_ids(to_engine_messages(messages)))
+        listed = [convert_to_openai_tool(tool) for tool in tools] if tools else None
+        return len(self.engine().encode_prompt(to_engine_messages(messages), listed).ids)
 
     # ------------------------------------------------------------------ serialisation and profile
     @classmethod
@@ -224,24 +234,54 @@ class ChatEMLLM(BaseChatModel):
         unless ``max_input_tokens`` is set."""
         profile = ModelProfile(name=self._display_name(), open_weights=True, text_inputs=True, text_outputs=True,
                                image_inputs=False, audio_inputs=False, pdf_inputs=False, video_inputs=False,
-                               tool_calling=False, tool_choice=False, structured_output=False, temperature=True)
+                               tool_calling=True, tool_choice=True, structured_output=True, temperature=True)
         limit = self.em_config().max_input_tokens
         if limit is not None:
             profile["max_input_tokens"] = limit
         return profile
 
-    # ------------------------------------------------------------------ what is not supported, said plainly
-    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "ChatEMLLM has no tool calling yet. Call the tool yourself and pass its result as text in a "
-            "HumanMessage, or use a chat model with tool calling for the agent and ChatEMLLM for the long-document "
-            "questions.")
+    # ------------------------------------------------------------------ tools and structured output
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | bool | dict | None = None, **kwargs: Any) -> Runnable:
+        """Tools as LangChain tools, pydantic models, functions or OpenAI dicts. ``tool_choice``: "auto" (default),
+        "none", "any"/"required", or a tool's name. Listed through the model's chat template where it carries
+        tools (Qwen2.5, Qwen3), else through emllm.tools.TOOL_PROMPT; the calls are decoded under a grammar of
+        the tools' parameters (emllm.grammar), so their arguments always parse."""
+        formatted = [convert_to_openai_tool(tool) for tool in tools]
+        chosen_tools(formatted, tool_choice)  # a wrong name fails here
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
-    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "ChatEMLLM has no structured output yet: its decoding is not constrained by a schema. Ask for the fields "
-            "in the prompt and parse the text (e.g. with langchain_core.output_parsers.PydanticOutputParser), and "
-            "check the result.")
+    def with_structured_output(self, schema: dict | type | None = None, *, method: str = "json_schema",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable:
+        """Answers as ``schema`` (a pydantic class, a TypedDict or a JSON schema dict), decoded under that schema
+        so the result always parses. method: "json_schema" (the answer is the JSON), "function_calling" (a
+        forced call of a tool with the schema as its parameters), "json_mode" (a JSON object; the schema's, if
+        one is given). ``strict`` is accepted for compatibility: decoding is always strict here."""
+        if kwargs:
+            raise TypeError(f"Unknown argument(s) {sorted(kwargs)} for with_structured_output.")
+        if method not in ("json_schema", "function_calling", "json_mode"):
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}.")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"method={method!r} needs a schema; only method='json_mode' works without one.")
+        pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        trace = {"ls_structured_output_format": {"kwargs": {"method": method},
+                                                 "schema": convert_to_json_schema(schema) if schema else None}}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, **trace)
+            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        else:
+            json_schema = convert_to_json_schema(schema) if schema is not None else {"type": "object"}
+            llm = self.bind(response_format={"type": "json_schema", "json_schema": {
+                "name": json_schema.get("title", "response"), "schema": json_schema}}, **trace)
+            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
     # ------------------------------------------------------------------ generation
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -251,20 +291,38 @@ class ChatEMLLM(BaseChatModel):
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        """One chunk per text delta, then a last, empty chunk with the usage and response metadata."""
+        """One chunk per text delta (with tools: per piece of text and per whole tool call; with a response
+        format: the JSON in one chunk), then a last, empty chunk with the usage and response metadata."""
         prompt = to_engine_messages(messages)
-        model, options = self._call_options(stop, kwargs)
-        stream = self.pool(model).stream(prompt, **options)
+        call = self._call_options(stop, kwargs)
+        pool = self.pool(call.model)
+        options = dict(call.sampling)
+        if call.tools:
+            options.update(tool_decoding(pool.engine, call.tools, call.tool_choice))
+        if call.response_format is not None:
+            options["grammar"] = _response_grammar(call.response_format)
+            prompt = with_format_request(prompt, call.response_format)
+        stream = pool.stream(prompt, **options)
+        replies = _ReplyChunks({t["function"]["name"] for t in call.tools or []},
+                               whole=call.response_format is not None)
         deltas = iter(stream)
         try:
             for delta in deltas:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-                if run_manager:
-                    run_manager.on_llm_new_token(delta, chunk=chunk)
-                yield chunk
+                for chunk in replies.feed(delta):
+                    if run_manager:
+                        run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                    yield chunk
         finally:
             deltas.close()  # a consumer that stops early releases the memory at once
-        yield _last_chunk(stream.result, self._display_name(model))
+        result = stream.result
+        # Calls only (a forced call) or a structured answer: cut by max_tokens, it cannot parse. Text that may hold
+        # calls (tool_choice auto) is parsed as it is; a call left open is an invalid_tool_call.
+        forced = call.tools and chosen_tools(call.tools, call.tool_choice)[1] == "required"
+        if (forced or call.response_format is not None) and result.finish_reason == "length":
+            raise ValueError(f"The answer reached max_tokens={options['max_new_tokens']} before "
+                             f"{options['grammar'].what} were complete, so it would not parse: raise max_tokens.")
+        yield from replies.close()
+        yield _last_chunk(result, self._display_name(call.model))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
@@ -283,8 +341,8 @@ class ChatEMLLM(BaseChatModel):
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
 
-    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-        """This call's model and sampling options: per-call values over the instance's, checked before any work."""
+    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> "CallOptions":
+        """This call's options: per-call values over the instance's, checked before any work."""
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own streaming switch
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
@@ -294,7 +352,16 @@ class ChatEMLLM(BaseChatModel):
                                    kwargs.get("temperature", self.temperature), kwargs.get("top_p", self.top_p),
                                    kwargs.get("top_k", self.top_k), kwargs.get("seed", self.seed),
                                    stop if stop is not None else self.stop)
-        return kwargs.get("model"), options
+        return CallOptions(kwargs.get("model"), options, kwargs.get("tools"), kwargs.get("tool_choice"),
+                           kwargs.get("response_format"))
+
+
+class CallOptions(NamedTuple):
+    model: str | None
+    sampling: dict[str, Any]               # MemoryPool.stream keywords
+    tools: list[dict[str, Any]] | None     # OpenAI function dicts, from bind_tools
+    tool_choice: Any
+    response_format: dict[str, Any] | None  # from with_structured_output
 
 
 # ---------------------------------------------------------------------- messages
@@ -312,24 +379,36 @@ def _adopt_saved(pool: MemoryPool, path: str) -> None:
         _ADOPTED.add(key)
 
 
-def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as the engine's ``{"role", "content"}`` turns (text only; names kept as a prefix)."""
+def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as the engine's ``{"role", "content"}`` turns (text; names kept as a prefix; an AI
+    message's tool calls as ``tool_calls``; a ToolMessage as a "tool" turn)."""
     if not messages:
         raise ValueError("The message list is empty: pass at least one message (e.g. a HumanMessage).")
-    return [{"role": _role(m), "content": _named(m, _text(m))} for m in messages]
+    return [_engine_message(m) for m in messages]
+
+
+def _engine_message(message: BaseMessage) -> dict[str, Any]:
+    role = _role(message)
+    if isinstance(message, ToolMessage):
+        return {"role": "tool", "content": _text(message), "tool_call_id": message.tool_call_id}
+    turn: dict[str, Any] = {"role": role, "content": _named(message, _text(message))}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        turn["tool_calls"] = [{"type": "function", "id": call.get("id"),
+                               "function": {"name": call["name"], "arguments": call["args"]}}
+                              for call in message.tool_calls]
+    return turn
 
 
 def _role(message: BaseMessage) -> str:
     kind = message.role if isinstance(message, ChatMessage) else message.type
-    if kind in ("tool", "function"):
-        raise ValueError(f"ChatEMLLM has no tool calling, so a {type(message).__name__} cannot be read. Put the "
-                         "tool's result into a HumanMessage as text instead.")
-    if isinstance(message, AIMessage) and message.tool_calls:
-        raise ValueError("ChatEMLLM has no tool calling: an AIMessage with tool_calls cannot be read. Pass the "
-                         "conversation without tool calls.")
+    if kind == "tool":
+        return "tool"
+    if kind == "function":
+        raise ValueError("FunctionMessage is OpenAI's legacy format: pass the result as a ToolMessage with the "
+                         "tool_call_id of the call it answers.")
     if kind not in _ROLES:
-        raise ValueError(f"Unknown message role {kind!r}; ChatEMLLM reads system, human/user and ai/assistant "
-                         "messages.")
+        raise ValueError(f"Unknown message role {kind!r}; ChatEMLLM reads system, human/user, ai/assistant and "
+                         "tool messages.")
     return _ROLES[kind]
 
 
@@ -343,6 +422,8 @@ def _text(message: BaseMessage) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(block.get("text", ""))
+        elif isinstance(block, dict) and block.get("type") in _CALL_BLOCKS and getattr(message, "tool_calls", None):
+            continue  # a provider's copy of a call that message.tool_calls holds (and the template renders)
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise ValueError(f"ChatEMLLM reads text only, but a {message.type} message has a {kind!r} content block. "
@@ -379,6 +460,72 @@ def _with_llm_output(result: ChatResult) -> ChatResult:
                                          "completion_tokens": usage.get("output_tokens", 0),
                                          "total_tokens": usage.get("total_tokens", 0)}}
     return result
+
+
+def with_format_request(prompt: list[dict[str, Any]], response_format: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation with the schema asked for just before the last message's last paragraph (its question).
+    The grammar makes the answer parse; the model must also know the fields to fill them well (measured: with the
+    grammar alone Qwen2.5-Coder-0.5B looped inside the first string of a joke until max_tokens). Before the
+    question, so the question still decides what the memory retrieves; after the document, so a long document's
+    memory is still reused."""
+    spec = response_format.get("json_schema") or {}
+    schema = spec.get("schema")
+    request = ("Answer with a JSON object that matches this JSON schema:\n" + json.dumps(schema) if schema
+               else "Answer with a JSON object.")
+    last = prompt[-1]
+    if last["role"] != "user":
+        return [*prompt, {"role": "user", "content": request}]
+    text = last["content"]
+    cut = text.rstrip().rfind("\n\n")
+    content = f"{text[:cut]}\n\n{request}\n\n{text[cut + 2:]}" if cut >= 0 else f"{request}\n\n{text}"
+    return [*prompt[:-1], {**last, "content": content}]
+
+
+def _response_grammar(response_format: dict[str, Any]) -> Grammar:
+    """The grammar of an OpenAI-style response_format: {"type": "json_schema", "json_schema": {"name", "schema"}}
+    or {"type": "json_object"} (any JSON object)."""
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return Grammar.json_schema({"type": "object"}, "json_object")
+    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
+        spec = response_format["json_schema"]
+        return Grammar.json_schema(spec.get("schema") or {"type": "object"}, spec.get("name", "response"))
+    raise ValueError("response_format must be {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}} "
+                     f"or {{'type': 'json_object'}}, got {response_format!r}.")
+
+
+class _ReplyChunks:
+    """Text deltas as LangChain chunks: with tools, text pieces and one tool_call_chunk per whole call (emllm.tools
+    parses them); with ``whole``, everything in one chunk at the end (a streamed structured answer is parsed
+    whole: partial JSON would not validate)."""
+
+    def __init__(self, tool_names: set[str], whole: bool):
+        self._replies = ReplyStream(tool_names) if tool_names else None
+        self._whole, self._held, self._calls = whole, [], 0
+
+    def feed(self, delta: str) -> list[ChatGenerationChunk]:
+        if self._whole:
+            self._held.append(delta)
+            return []
+        return self._chunks(self._replies.feed(delta) if self._replies else [delta])
+
+    def close(self) -> list[ChatGenerationChunk]:
+        if self._whole:
+            return self._chunks(["".join(self._held)] if self._held else [])
+        return self._chunks(self._replies.close() if self._replies else [])
+
+    def _chunks(self, pieces: list) -> list[ChatGenerationChunk]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                message = AIMessageChunk(content=piece)
+            else:
+                args = (json.dumps(piece.arguments) if isinstance(piece, ToolCall) else piece.text)
+                message = AIMessageChunk(content="", tool_call_chunks=[
+                    tool_call_chunk(name=piece.name, args=args, id=piece.id, index=self._calls)])
+                self._calls += 1
+            out.append(ChatGenerationChunk(message=message))
+        return out
 
 
 def _check_model(model: str | None) -> None:

@@ -14,6 +14,7 @@ the query engine owns its pool, whose pinned checkpoint is the documents.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,23 +22,26 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
                                               CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
-                                              LLMMetadata, MessageRole, TextBlock)
+                                              LLMMetadata, MessageRole, TextBlock, ToolCallBlock)
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
 from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, GenerationResult, MemoryPool, TextStream
 from emllm.persistence import read_metadata
+from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
 from emllm.sessions import shared_engine, shared_pool
 
 from .async_bridge import iterate_in_thread
 from .prompts import chat_frame, chat_header, check_template, qa_suffix
 from .sampling import sampling_options
 from .sources import document_shares, tokenize_documents
+from .tool_choice import chosen_tools, tool_decoding
 
 DEFAULT_CONTEXT_WINDOW = 1 << 20
 """What EMLLM reports as its context window when ``max_input_tokens`` is not set. The episodic memory has no fixed
@@ -46,6 +50,8 @@ LlamaIndex's response synthesizers never truncate or split a context, which is t
 
 CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
 """Settings a single call may override by keyword (``llm.complete(prompt, max_tokens=32)``)."""
+TOOL_OPTIONS = ("tools", "tool_choice")
+"""What chat_with_tools passes to chat (OpenAI function dicts, and "auto" / "required" / a tool name)."""
 
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
           MessageRole.ASSISTANT: "assistant", MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant"}
@@ -81,10 +87,12 @@ def deltas_with_result(stream: TextStream) -> Iterator[tuple[str, GenerationResu
 
 
 # ---------------------------------------------------------------------- the LLM
-class EMLLM(CustomLLM):
+class EMLLM(FunctionCallingLLM):
     """A LlamaIndex LLM on the emllm engine: a Hugging Face causal LM whose attention has an episodic memory, so
     it reads prompts far beyond its trained context. Chat renders the model's chat template; complete reads raw
-    text. Use it as ``Settings.llm`` in any query or chat engine."""
+    text. Use it as ``Settings.llm`` in any query or chat engine. A FunctionCallingLLM: ``chat_with_tools``,
+    ``FunctionAgent`` and ``structured_predict`` work, their calls decoded under a grammar of the tools'
+    parameters (emllm.grammar), so arguments always parse."""
 
     model: Optional[str] = Field(default=None, description="Embedded model name or local HF dir; None = default.")
     preset: str = Field(default=DEFAULT_PRESET, description="EM-LLM preset: S, SM, SC, S+C, SM+C, F, FM, FC or full.")
@@ -144,15 +152,56 @@ class EMLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self.context_window, num_output=self.max_tokens, is_chat_model=True,
-                           model_name=self.model or DEFAULT_MODEL)
+                           is_function_calling_model=True, model_name=self.model or DEFAULT_MODEL)
 
-    def _options(self, overrides: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(overrides) - set(CALL_OPTIONS))
+    def _options(self, overrides: dict[str, Any], tools_allowed: bool = False) -> dict[str, Any]:
+        allowed = CALL_OPTIONS + (TOOL_OPTIONS if tools_allowed else ())
+        unknown = sorted(set(overrides) - set(allowed))
         if unknown:
             raise TypeError(f"EMLLM got unknown keyword argument(s) {unknown}; a call may override only "
-                            f"{', '.join(CALL_OPTIONS)}.")
+                            f"{', '.join(allowed)}.")
         values = {name: overrides.get(name, getattr(self, name)) for name in CALL_OPTIONS}
-        return {**sampling_options(**values), "progress": self.progress}
+        options = {**sampling_options(**values), "progress": self.progress}
+        if overrides.get("tools"):
+            chosen_tools(overrides["tools"], overrides.get("tool_choice"))  # a wrong name fails before the model loads
+            options["tools"], options["tool_choice"] = overrides["tools"], overrides.get("tool_choice")
+        return options
+
+    # ------------------------------------------------------------------ tools (FunctionCallingLLM)
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 tool_choice: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """chat() arguments: the conversation, the tools as OpenAI function dicts, and the choice ("required"
+        when ``tool_required``: the reply is then calls only)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        choice = tool_choice if tool_choice is not None else ("required" if tool_required else "auto")
+        return {"messages": messages, "tools": [tool.metadata.to_openai_tool() for tool in tools] or None,
+                "tool_choice": choice, **kwargs}
+
+    def _validate_chat_with_tools_response(self, response: ChatResponse, tools: Sequence[Any],
+                                           allow_parallel_tool_calls: bool = False, **kwargs: Any) -> ChatResponse:
+        """One call only unless parallel calls are allowed (as LlamaIndex's hosted integrations do)."""
+        if not allow_parallel_tool_calls:
+            calls = [b for b in response.message.blocks if isinstance(b, ToolCallBlock)]
+            response.message.blocks = [b for b in response.message.blocks
+                                       if not isinstance(b, ToolCallBlock) or b is calls[0]]
+        return response
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> list[ToolSelection]:
+        calls = [ToolSelection(tool_id=block.tool_call_id or "", tool_name=block.tool_name,
+                               tool_kwargs=block.tool_kwargs if isinstance(block.tool_kwargs, dict) else {})
+                 for block in response.message.blocks if isinstance(block, ToolCallBlock)]
+        if not calls and error_on_no_tool_call:
+            invalid = response.message.additional_kwargs.get("invalid_tool_calls")
+            raise ValueError("The model answered without calling a tool" + (
+                f" (it wrote calls that do not parse: {invalid})" if invalid else "") +
+                ". Pass tool_required=True to make it call one.")
+        return calls
 
     # ------------------------------------------------------------------ completion (raw text)
     # The decorated methods fire LlamaIndex's callback events (token counting, tracing) once; each calls an
@@ -176,17 +225,25 @@ class EMLLM(CustomLLM):
     # ------------------------------------------------------------------ chat (the model's chat template)
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_body(messages, self._options(kwargs))
+        return self._chat_body(messages, self._options(kwargs, tools_allowed=True))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._stream_chat_body(messages, self._options(kwargs))
+        return self._stream_chat_body(messages, self._options(kwargs, tools_allowed=True))
 
     def _chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponse:
-        return _chat(self.pool.generate(to_engine_messages(messages), **options))
+        last = None
+        for last in self._stream_chat_body(messages, options):
+            pass
+        return last
 
     def _stream_chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponseGen:
-        return _cumulative(self.pool.stream(to_engine_messages(messages), **options), _chat)
+        tools = options.pop("tools", None)
+        choice = options.pop("tool_choice", None)
+        if tools:
+            options.update(tool_decoding(self.pool.engine, tools, choice))
+        stream = self.pool.stream(to_engine_messages(messages), **options)
+        return _chat_stream(stream, {tool["function"]["name"] for tool in tools or []})
 
     # ------------------------------------------------------------------ async: the work runs in a thread
     @llm_completion_callback()
@@ -201,28 +258,75 @@ class EMLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self._chat_body, messages, self._options(kwargs))
+        return await asyncio.to_thread(self._chat_body, messages, self._options(kwargs, tools_allowed=True))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        options = self._options(kwargs)
+        options = self._options(kwargs, tools_allowed=True)
         return iterate_in_thread(lambda: self._stream_chat_body(messages, options))
 
 
-def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """LlamaIndex ChatMessages as the engine's {'role', 'content'} dicts; non-text content is refused, not dropped."""
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """LlamaIndex ChatMessages as the engine's {'role', 'content'} dicts: an assistant's ToolCallBlocks become its
+    tool_calls, a "tool" message a tool result; other non-text content is refused, not dropped."""
     converted = []
     for message in messages:
-        role = _ROLES.get(message.role)
+        role = "tool" if message.role in (MessageRole.TOOL, MessageRole.FUNCTION) else _ROLES.get(message.role)
         if role is None:
-            raise ValueError(f"EMLLM cannot take a {message.role.value!r} message: it has no tool or function "
-                             "calling. Put the tool's output into a user message instead.")
-        others = sorted({type(block).__name__ for block in message.blocks if not isinstance(block, TextBlock)})
+            raise ValueError(f"EMLLM cannot take a {message.role.value!r} message; it reads system, user, "
+                             "assistant and tool messages.")
+        calls = [b for b in message.blocks if isinstance(b, ToolCallBlock)]
+        others = sorted({type(block).__name__ for block in message.blocks
+                         if not isinstance(block, (TextBlock, ToolCallBlock))})
         if others:
             raise ValueError(f"EMLLM reads text only, but a {role} message holds {', '.join(others)}. "
                              "Pass the content as text (e.g. a transcript or description of the media).")
-        converted.append({"role": role, "content": message.content or ""})
+        turn: dict[str, Any] = {"role": role, "content": message.content or ""}
+        if calls:
+            turn["tool_calls"] = [{"type": "function", "id": call.tool_call_id, "function": {
+                "name": call.tool_name, "arguments": _arguments(call.tool_kwargs)}} for call in calls]
+        if role == "tool" and message.additional_kwargs.get("tool_call_id"):
+            turn["tool_call_id"] = message.additional_kwargs["tool_call_id"]
+        converted.append(turn)
     return converted
+
+
+def _arguments(kwargs: dict | str) -> dict:
+    """A call's arguments as a dict (LlamaIndex may keep them as the JSON text the model wrote)."""
+    if isinstance(kwargs, dict):
+        return kwargs
+    try:
+        value = json.loads(kwargs or "{}")
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"A tool call's arguments must be a JSON object, got {kwargs!r}.")
+    return value
+
+
+def _chat_stream(stream: TextStream, tool_names: set[str]) -> ChatResponseGen:
+    """ChatResponses as LlamaIndex streams them (the message so far and the new delta); with tools, the text and
+    each complete call (a ToolCallBlock) parsed from the deltas (emllm.tools); the last carries the token counts."""
+    replies = ReplyStream(tool_names) if tool_names else None
+    text, calls, invalid = "", [], []
+    for delta, result in deltas_with_result(stream):
+        pieces = replies.feed(delta) if replies else [delta]
+        if result is not None and replies:
+            pieces += replies.close()
+        new_text = ""
+        for piece in pieces:
+            if isinstance(piece, str):
+                new_text += piece
+            elif isinstance(piece, ToolCall):
+                calls.append(ToolCallBlock(tool_call_id=piece.id, tool_name=piece.name, tool_kwargs=piece.arguments))
+            elif isinstance(piece, InvalidToolCall):
+                invalid.append({"name": piece.name, "text": piece.text, "error": piece.error})
+        text += new_text
+        message = ChatMessage(role=MessageRole.ASSISTANT, blocks=[TextBlock(text=text), *calls],
+                              additional_kwargs={"invalid_tool_calls": invalid} if invalid else {})
+        counts = usage(result) if result is not None else {}
+        yield ChatResponse(message=message, delta=new_text, additional_kwargs=counts,
+                           raw={"usage": counts, "generation": result} if result is not None else None)
 
 
 def _cumulative(stream: TextStream, respond: Callable[..., Any]) -> Iterator[Any]:
@@ -240,12 +344,6 @@ def _completion(result: GenerationResult | None, text: str | None = None,
     counts = usage(result)
     return CompletionResponse(text=result.text if text is None else text, delta=delta, additional_kwargs=counts,
                               raw={"usage": counts, "generation": result})
-
-
-def _chat(result: GenerationResult | None, text: str | None = None, delta: str | None = None) -> ChatResponse:
-    completion = _completion(result, text, delta)
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=completion.text), delta=delta,
-                        additional_kwargs=completion.additional_kwargs, raw=completion.raw)
 
 
 # ---------------------------------------------------------------------- documents
@@ -360,7 +458,9 @@ class EMLLMQueryEngine(CustomQueryEngine):
     def _start(self, question: str) -> tuple[TextStream, int]:
         options = sampling_options(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, self.stop)
         suffix = self.question_ids(question)
-        return self._pool.stream(self._context_ids + suffix, progress=self.progress, **options), len(suffix)
+        # allow_empty=False: an answer that ended at once would print as 'None' (LlamaIndex's text for no answer).
+        return self._pool.stream(self._context_ids + suffix, progress=self.progress, allow_empty=False,
+                                 **options), len(suffix)
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         stream, question_tokens = self._start(query_str)

@@ -13,6 +13,7 @@ the memory stopped (continuation), anything else is refused rather than silently
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import time
@@ -29,10 +30,12 @@ from .config import DEFAULT_PRESET, EMConfig
 from .lossless import LosslessCheck
 from .forward import layer_attention
 from .memory import EpisodicMemory, ModelShape, RetrievedEvent, because
+from .grammar import Grammar, GrammarCompiler
 from .scoring import RetrievalPlan, uses_event_text
+from .tools import CALL_CLOSE, CALL_OPEN, plain_tool_messages, template_carries_tools
 from .rope import RotaryTable
 
-Message = dict[str, str]
+Message = dict[str, Any]  # {'role', 'content'}, and 'tool_calls' / 'name' / 'tool_call_id' for tools
 Prompt = str | Sequence[Message] | Sequence[int]
 
 
@@ -50,6 +53,19 @@ class Rendered(NamedTuple):
 class EncodedPrompt(NamedTuple):
     ids: list[int]
     question_start: int | None  # token index where the prompt's last paragraph begins; None: ids, or no paragraphs
+
+
+class Decoding(NamedTuple):
+    """How one answer is decoded (checked by check_sampling and GrammarCompiler.check before it is used)."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    grammar: Grammar | None = None
+    allow_empty: bool = True
+    keep: int | None = None  # the prompt's first tokens to keep in attention (its tool listing)
 
 
 class MemoryMismatchError(ValueError):
@@ -127,6 +143,7 @@ class EMEngine:
         self._lossless = LosslessCheck(tokenizer)
         self._controls: re.Pattern | None = None  # finds the tokenizer's control-token strings
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)  # llguidance, on first use
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, preset: str | None = None, config: EMConfig | None = None,
@@ -219,38 +236,44 @@ class EMEngine:
         self._lossless.check(text, ids)
         return ids
 
-    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation in the model's chat template (consecutive same-role turns merged)."""
-        rendered = self._render_chat(normalize_messages(messages, merge=False), add_generation_prompt)
+    def chat_ids(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                 tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation in the model's chat template (consecutive same-role turns merged), with
+        ``tools`` (OpenAI function dicts) listed as the template lists them, or by tools.TOOL_PROMPT."""
+        rendered = self._render_chat(normalize_messages(messages, merge=False), add_generation_prompt, tools)
         return self._rendered_ids(rendered)
 
-    def _render_chat(self, messages: list[Message], add_generation_prompt: bool) -> Rendered:
+    def _render_chat(self, messages: list[Message], add_generation_prompt: bool,
+                     tools: list[dict] | None = None) -> Rendered:
         """The conversation as text, and which of its characters are the messages' (tokenised as text) and which
         the template's (whose control-token strings are control tokens)."""
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            if not template_carries_tools(self.tokenizer):
+                messages, tools = plain_tool_messages(messages, tools), None
         if getattr(self.tokenizer, "chat_template", None) is None:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " * add_generation_prompt)
             return Rendered.user_text(text)  # no control tokens at all
         # Render the turns as given (so a longer conversation extends a shorter one token for token); only a
         # template that rejects them (consecutive same-role turns, a system turn) gets them merged.
         try:
-            text = self._apply_template(messages, add_generation_prompt)
+            text = self._apply_template(messages, add_generation_prompt, tools)
         except Exception:  # jinja2 raises TemplateError subclasses via the template's raise_exception
             messages = normalize_messages(fold_system(messages))
-            text = self._apply_template(messages, add_generation_prompt)
+            text = self._apply_template(messages, add_generation_prompt, tools)
         found = (self._control_pattern().search(m["content"]) for m in messages)
         forged = next((match.group() for match in found if match), None)
         if forged is None:  # the usual case: every control-token string in the text is the template's
             return Rendered(text, ((0, len(text), False),))
-        return Rendered(text, self._message_spans(messages, add_generation_prompt, text, forged))
+        return Rendered(text, self._message_spans(messages, add_generation_prompt, text, forged, tools))
 
     def _message_spans(self, messages: list[Message], add_generation_prompt: bool, text: str,
-                       forged: str) -> tuple[tuple[int, int, bool], ...]:
+                       forged: str, tools: list[dict] | None) -> tuple[tuple[int, int, bool], ...]:
         """Where each message's text lies in the rendered conversation, found by rendering the template around
         placeholders: the placeholders' places are the messages' places if putting the messages back (as given,
         or stripped by a template that trims them) gives the same text."""
         slots = [f"\ue000{i}\ue001" for i in range(len(messages))]
         framed = re.split("\ue000(\\d+)\ue001", self._apply_template(
-            [{**m, "content": slot} for m, slot in zip(messages, slots)], add_generation_prompt))
+            [{**m, "content": slot} for m, slot in zip(messages, slots)], add_generation_prompt, tools))
         for contents in ([m["content"] for m in messages], [m["content"].strip() for m in messages]):
             parts = [(contents[int(p)] if k % 2 else p, bool(k % 2)) for k, p in enumerate(framed)]
             if "".join(part for part, _ in parts) == text:
@@ -279,9 +302,10 @@ class EMEngine:
                for i in (self.text_ids if own else self.template_ids)(rendered.text[max(lo, start):hi])]
         return self._refuse_lost_text(rendered.text[start:], ids) if start == 0 else ids
 
-    def _apply_template(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def _apply_template(self, messages: list[Message], add_generation_prompt: bool,
+                        tools: list[dict] | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+                                                  tokenize=False, **({"tools": tools} if tools else {}))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -300,7 +324,7 @@ class EMEngine:
         raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
                         f"got a list of {sorted({type(p).__name__ for p in prompt})}.")
 
-    def encode_prompt(self, prompt: Prompt) -> EncodedPrompt:
+    def encode_prompt(self, prompt: Prompt, tools: list[dict] | None = None) -> EncodedPrompt:
         """prompt_ids() and where the question starts: the prompt's last paragraph, i.e. the text after its last
         blank line, or the last message if that starts later. read() gives it forwards of its own. Token ids carry
         no paragraphs: their question_start is None."""
@@ -310,12 +334,14 @@ class EMEngine:
         if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, dict)):
             prompt = list(prompt)  # a generator is walked once, here
         if not (isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt)):
+            if tools:
+                raise ValueError("Tools are listed in a chat: pass the prompt as a list of messages, not text or ids.")
             return EncodedPrompt(self.prompt_ids(prompt), None)  # token ids, or refused there with the reason
         messages = normalize_messages(prompt, merge=False)
-        rendered = self._render_chat(messages, add_generation_prompt=True)
-        ids = self._rendered_ids(rendered)  # = chat_ids(prompt), rendered once
+        rendered = self._render_chat(messages, True, tools)
+        ids = self._rendered_ids(rendered)  # = chat_ids(prompt, tools=tools), rendered once
         try:
-            before = self._render_chat(messages[:-1], add_generation_prompt=False).text if len(messages) > 1 else ""
+            before = self._render_chat(messages[:-1], False, tools).text if len(messages) > 1 else ""
         except Exception:  # a template that refuses the shorter conversation (e.g. one ending on a system turn)
             before = rendered.text + "\0"
         last_turn = len(before) if rendered.text.startswith(before) else 0  # a template that merged turns: 0
@@ -331,6 +357,41 @@ class EMEngine:
         tail = self._rendered_ids(rendered, char)
         start = len(ids) - _common_prefix(ids[max(0, len(ids) - len(tail)):][::-1], tail[::-1])
         return start if 0 < start < len(ids) else None
+
+    def tool_listing_end(self, prompt: Prompt, tools: list[dict] | None) -> int | None:
+        """How many of the prompt's first tokens list the tools (the template's opening system turn, up to the
+        first other message), or None without tools. The engine keeps them in attention (pin_prefix): evicted
+        like any text, a long conversation's tool list would be retrieved only when a question resembles it
+        (measured: with a 512-token window Qwen2.5-Coder-1.5B answered a tool task in prose, calling nothing)."""
+        if not tools or not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+            return None
+        system = [m for m in normalize_messages(prompt, merge=False)[:1] if m["role"] == "system"]
+        marker = "\ue000"
+        rendered = self._render_chat([*system, {"role": "user", "content": marker}], False, tools).text
+        return max(len(self.template_ids(rendered[:rendered.index(marker)])) - 1, 0) or None
+
+    def pin_prefix(self, memory: EpisodicMemory, ids: list[int], end: int | None) -> None:
+        """Read the prompt's first ``end`` tokens (if not read yet) and keep them in every layer's attention; a
+        prefix longer than the retrieval budget is left to retrieval (pinning it would crowd out everything)."""
+        if end is None or end <= memory.config.n_init or (0, end) in memory.pinned_spans:
+            return
+        if memory.total_tokens < end:
+            self.read(memory, ids[memory.total_tokens:end])
+        try:
+            memory.pin(0, end)
+        except ValueError:
+            pass  # more than the budget holds
+
+    def tool_grammar(self, tools: list[dict], required: bool) -> Grammar | None:
+        """What a reply may be when ``tools`` are listed: tool calls only (required), or text and then calls, each
+        valid for its tool (emllm.tools' format). None for the second where the tags are not single tokens of
+        this tokenizer: free text could then spell a tag, so the reply is parsed instead of constrained."""
+        tags = [self.template_ids(tag) for tag in (CALL_OPEN, CALL_CLOSE)]
+        if all(len(ids) == 1 for ids in tags):
+            return Grammar.tool_calls(tools, *(f"<[{ids[0]}]>" for ids in tags), required=required)
+        if not required:
+            return None
+        return Grammar.tool_calls(tools, json.dumps(CALL_OPEN), json.dumps(CALL_CLOSE), required=True)
 
     def count_tokens(self, text: str) -> int:
         return len(self.text_ids(text))
@@ -437,19 +498,27 @@ class EMEngine:
     # ------------------------------------------------------------------ generating
     def stream(self, prompt: Prompt, *, memory: EpisodicMemory | None = None, max_new_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               stop: Sequence[str] | None = None, progress: bool = False) -> TextStream:
-        """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read."""
+               stop: Sequence[str] | None = None, progress: bool = False, tools: list[dict] | None = None,
+               grammar: Grammar | None = None, allow_empty: bool = True) -> TextStream:
+        """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read.
+
+        ``tools`` (OpenAI function dicts) are listed in the chat (emllm.tools); ``grammar`` constrains what is
+        generated (emllm.grammar: a JSON schema, tool calls), checked before anything is read; ``allow_empty=False``
+        keeps the end of turn away until the answer has a visible character."""
         check_sampling(max_new_tokens, temperature, top_p, top_k, seed=seed, stop=stop)
         if memory is not None and not isinstance(memory, EpisodicMemory):
             raise TypeError(f"memory must be an EpisodicMemory (engine.new_memory()) or None, got "
                             f"{type(memory).__name__} {memory!r}.")
+        if grammar is not None:
+            self.grammars.check(grammar)
         stop = list(stop or [])
-        ids, question_start = self.encode_prompt(prompt)
+        ids, question_start = self.encode_prompt(prompt, tools)
         own_memory = memory is None
         memory = memory if memory is not None else self.new_memory()
         holder: dict = {}
-        return TextStream(self._run(memory, ids, question_start, own_memory, max_new_tokens, temperature, top_p,
-                                    top_k, seed, stop, progress, holder), holder)
+        decoding = Decoding(max_new_tokens, temperature, top_p, top_k, seed, stop, grammar, allow_empty,
+                            self.tool_listing_end(prompt, tools))
+        return TextStream(self._run(memory, ids, question_start, own_memory, decoding, progress, holder), holder)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)
@@ -461,8 +530,7 @@ class EMEngine:
         return self.generate(list(messages), **kwargs)
 
     def _run(self, memory: EpisodicMemory, ids: list[int], question_start: int | None, own_memory: bool,
-             max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None, stop: list[str],
-             progress: bool, holder: dict) -> Iterator[str]:
+             decoding: "Decoding", progress: bool, holder: dict) -> Iterator[str]:
         try:
             seen = memory.total_tokens
             if memory.token_ids != ids[:seen] or (seen == len(ids) and memory.last_logits is None):
@@ -471,19 +539,30 @@ class EMEngine:
                     f"(they first differ at token {_common_prefix(memory.token_ids, ids)}). Use a new memory "
                     "for a different conversation.")
             started = time.perf_counter()
+            self.pin_prefix(memory, ids, decoding.keep)
             self.read_prompt(memory, ids, question_start, progress=progress)
             prefill = time.perf_counter() - started
             retrieved = memory.retrieved_events()
-            generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+            generator = torch.Generator(device="cpu").manual_seed(decoding.seed) if decoding.seed is not None else None
+            constraint = self.grammars.constraint(decoding.grammar) if decoding.grammar is not None else None
+            stop = decoding.stop
             generated: list[int] = []
-            emitted, finish = "", "length"
+            emitted, text, finish = "", "", "length"
             started = time.perf_counter()
-            for step in range(max_new_tokens):
-                token = sample_token(memory.last_logits, temperature, top_p, top_k, generator)
+            for step in range(decoding.max_new_tokens):
+                logits = memory.last_logits
+                if constraint is not None:
+                    logits = constraint.mask(logits)
+                if not decoding.allow_empty and not text.strip():
+                    logits = logits.clone()
+                    logits[sorted(self.eos_ids)] = float("-inf")
+                token = sample_token(logits, decoding.temperature, decoding.top_p, decoding.top_k, generator)
                 if token in self.eos_ids:
                     finish = "stop"
                     generated.append(token)
                     break
+                if constraint is not None:
+                    constraint.advance(token)
                 generated.append(token)
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
                 cut = _find_stop(text, stop, len(emitted))
@@ -492,11 +571,15 @@ class EMEngine:
                         yield text[len(emitted):cut]
                     emitted, finish = text[:cut], "stop"
                     break
-                safe = _safe_length(text, stop)
+                done = constraint is not None and constraint.finished
+                safe = len(text) if done else _safe_length(text, stop)
                 if safe > len(emitted):
                     yield text[len(emitted):safe]
                     emitted = text[:safe]
-                if step + 1 < max_new_tokens:
+                if done:  # the grammar is complete and allows nothing more
+                    finish = "stop"
+                    break
+                if step + 1 < decoding.max_new_tokens:
                     self._forward(memory, torch.tensor([token]), retrieve=True, answering=True)
             else:
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
@@ -585,7 +668,8 @@ def fold_system(messages: list[Message]) -> list[Message]:
 
 
 def normalize_messages(messages: Sequence[Message], merge: bool = True) -> list[Message]:
-    """Validated {'role', 'content'} messages; with merge, consecutive same-role turns become one."""
+    """Validated {'role', 'content'} messages (a tool result is role 'tool'; an assistant turn may carry
+    'tool_calls'); with merge, consecutive same-role plain turns become one."""
     merged: list[Message] = []
     for message in messages:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
@@ -594,17 +678,37 @@ def normalize_messages(messages: Sequence[Message], merge: bool = True) -> list[
         if not isinstance(content, str):
             raise TypeError(f"Message content must be text, got {type(content).__name__} for role {role!r}.")
         _check_encodable(content)
-        if role not in ("system", "user", "assistant"):
-            raise ValueError(f"Unknown message role {role!r}; use 'system', 'user' or 'assistant'.")
-        if merge and merged and merged[-1]["role"] == role:
-            merged[-1] = {"role": role, "content": merged[-1]["content"] + "\n\n" + content}
+        if role not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"Unknown message role {role!r}; use 'system', 'user', 'assistant' or 'tool'.")
+        if message.get("tool_calls"):
+            _check_tool_calls(role, message["tool_calls"])
+        plain = role != "tool" and not message.get("tool_calls")
+        previous = merged[-1] if merged else None
+        if merge and plain and previous is not None and previous["role"] == role and not previous.get("tool_calls"):
+            merged[-1] = {**previous, "content": previous["content"] + "\n\n" + content}
         else:
-            merged.append({"role": role, "content": content})
+            merged.append({key: message[key] for key in _MESSAGE_KEYS if key in message})
     if not merged:
         raise ValueError("The conversation is empty: pass at least one message.")
-    if not any(m["content"].strip() for m in merged):
+    if not any(m["content"].strip() or m.get("tool_calls") for m in merged):
         raise ValueError("Every message is empty or whitespace: there is nothing to answer.")
     return merged
+
+
+_MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id")  # other keys are not passed to the template
+
+
+def _check_tool_calls(role: str, calls: Any) -> None:
+    """An assistant's tool calls as chat templates read them: [{"type": "function", "function": {"name": str,
+    "arguments": dict}}, ...]."""
+    if role != "assistant":
+        raise ValueError(f"Only assistant messages carry tool_calls, not a {role!r} message.")
+    for call in calls if isinstance(calls, list) else [calls]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), dict)):
+            raise TypeError("A tool call is {'type': 'function', 'function': {'name': str, 'arguments': dict}}, got "
+                            f"{call!r}.")
 
 
 def _end_of_turn_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

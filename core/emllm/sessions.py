@@ -163,9 +163,13 @@ class MemoryPool:
         check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
                        sampling.get("top_p", 1.0), sampling.get("top_k", 0), seed=sampling.get("seed"),
                        stop=sampling.get("stop"))  # before any reading, not after
-        ids, question_start = self.engine.encode_prompt(prompt)
+        if sampling.get("grammar") is not None:
+            self.engine.grammars.check(sampling["grammar"])
+        tools = sampling.pop("tools", None)
+        ids, question_start = self.engine.encode_prompt(prompt, tools)
+        keep = self.engine.tool_listing_end(prompt, tools)
         holder: dict = {}
-        return TextStream(self._run(ids, question_start, progress, sampling, holder), holder)
+        return TextStream(self._run(ids, question_start, keep, progress, sampling, holder), holder)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> Any:
         stream = self.stream(prompt, **kwargs)
@@ -173,18 +177,20 @@ class MemoryPool:
             pass
         return stream.result
 
-    def _run(self, ids: list[int], question_start: int | None, progress: bool, sampling: dict,
+    def _run(self, ids: list[int], question_start: int | None, keep: int | None, progress: bool, sampling: dict,
              holder: dict) -> Iterator[str]:
         memory = self.acquire(ids)
         reused = memory.total_tokens
         try:
             started = time.perf_counter()
-            if question_start is not None and question_start - reused >= memory.config.chunk_size:
+            self.engine.pin_prefix(memory, ids, keep)
+            read = memory.total_tokens
+            if question_start is not None and question_start - read >= memory.config.chunk_size:
                 # The same document is often asked other questions in the same place (an LCEL template with
                 # {document} then {question}): keep the memory that has read up to the question, so the next
                 # question reads only itself. Reading in two calls is the same chunking as one: read() restarts
                 # its chunks at the question anyway.
-                self.engine.read(memory, ids[reused:question_start], progress=progress)
+                self.engine.read(memory, ids[read:question_start], progress=progress)
                 self.keep(memory.fork())
             self.engine.read_prompt(memory, ids, question_start, progress=progress)
             prefill = time.perf_counter() - started

@@ -1,10 +1,10 @@
 """LangChain's standard integration suite (``langchain_tests.integration_tests.ChatModelIntegrationTests``) against
-ChatEMLLM on the real embedded SmolLM2-135M-Instruct (named in ``chat_model_params``: the library default is the
-larger Qwen2.5-Coder-0.5B-Instruct).
+ChatEMLLM on the real embedded Qwen2.5-Coder-0.5B-Instruct, the library default, whose chat template carries tools.
 
-Capabilities are declared honestly: no tool calling, structured output, JSON mode or image/audio/PDF input (the
-suite reads these from ChatEMLLM itself and from the flags below and skips those tests on its own). Usage metadata
-is returned, including ``cache_read`` input tokens: what a call reused from an earlier call's memory.
+Capabilities are declared as they are: tool calling with tool_choice, structured output and JSON mode (all decoded
+under a grammar, emllm.grammar); no image, audio or PDF input (the suite's flags default to False, so it skips those
+tests, as it skips VCR). Usage metadata is returned, including ``cache_read`` input tokens: what a call reused from
+an earlier call's memory. The model override switches to SmolLM2-135M's local model directory.
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ import torch
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
-from emllm.models import is_embedded_available
+from emllm.models import resolve_model_dir
 from emllm_integrations.langchain import ChatEMLLM
 
 from .conftest import SMOL
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
-OTHER_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
-    """The suite's calls are short prompts and ~20 decoded tokens, i.e. tiny matrix-vector products. Measured on
-    this shared 2-core machine under load (load average 7): one answer took 42 s with 2 intra-op threads and 3.7 s
-    with 1, as threads spin waiting for each other. One thread keeps the suite to minutes; answers are unchanged."""
+    """The suite's calls are short prompts and a few dozen decoded tokens, i.e. small matrix-vector products.
+    Measured on this shared 2-core machine under load (load average 7): one answer took 42 s with 2 intra-op
+    threads and 3.7 s with 1, as threads spin waiting for each other. Answers are unchanged."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -41,22 +40,29 @@ class TestChatEMLLMStandard(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"model": SMOL, **SMALL, "max_tokens": 24}
+        # 64 tokens: a JSON joke or a tool call fits; the grammar refuses an answer cut before it is complete.
+        return {**SMALL, "max_tokens": 64}
 
     @property
-    def model_override_value(self) -> str | None:
-        """A per-call ``model=`` switches to another model's shared engine: Qwen2.5-Coder-0.5B-Instruct (the library
-        default, not the SmolLM2 of ``chat_model_params``), when its packages are installed (otherwise the suite
-        skips the override tests, saying why)."""
-        return OTHER_MODEL if is_embedded_available(OTHER_MODEL) else None
+    def model_override_value(self) -> str:
+        """A per-call ``model=`` switches to another model's shared engine: SmolLM2-135M by its local directory."""
+        return str(resolve_model_dir(SMOL, progress=False))
 
     @property
     def has_tool_calling(self) -> bool:
-        return False  # bind_tools is overridden only to say so plainly
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
 
     @property
     def supported_usage_metadata_details(self) -> dict:

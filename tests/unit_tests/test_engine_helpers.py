@@ -148,7 +148,7 @@ def test_non_text_content_is_refused(content):
     assert type(content).__name__ in message and "'assistant'" in message
 
 
-@pytest.mark.parametrize("role", ["tool", "User", "", "bot"])
+@pytest.mark.parametrize("role", ["function", "User", "", "bot"])
 def test_unknown_roles_are_refused(role):
     with pytest.raises(ValueError) as info:
         normalize_messages([{"role": role, "content": "hi"}])

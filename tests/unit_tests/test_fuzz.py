@@ -358,7 +358,8 @@ def test_non_text_is_a_clear_type_error(smol_engine, value):
 
 
 # ============================================================================ message lists
-ROLE = st.one_of(st.sampled_from(["system", "user", "assistant"] * 3), st.sampled_from(["tool", "User", "", "bot"]),
+ROLE = st.one_of(st.sampled_from(["system", "user", "assistant", "tool"] * 3),
+                 st.sampled_from(["function", "User", "", "bot"]),
                  st.none(), st.integers(0, 2))
 CONTENT = st.one_of(SHORT_TEXT, SHORT_TEXT, st.none(), st.integers(), st.lists(st.text(max_size=3), max_size=2))
 VALID_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
@@ -380,7 +381,7 @@ def message_list_is_valid(messages: list, vocab: int) -> bool:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
             return False
-        if m["role"] not in ("system", "user", "assistant") or expected_text_error(m["content"]) == "surrogate":
+        if m["role"] not in ("system", "user", "assistant", "tool") or expected_text_error(m["content"]) == "surrogate":
             return False
         if any(b in UNREPRESENTABLE for b in m["content"].encode()):  # the rendered conversation would lose it
             return False
@@ -416,7 +417,7 @@ def test_message_list_edge_cases(smol_engine):
                 [user("a"), {"role": "system", "content": "s"}, user("b")]]
     for messages in answered:
         assert smol_engine.chat(messages, max_new_tokens=1).input_tokens == len(smol_engine.prompt_ids(messages))
-    refused = {"empty": [], "whitespace": [user("  ")], "role": [{"role": "tool", "content": "x"}],
+    refused = {"empty": [], "whitespace": [user("  ")], "role": [{"role": "function", "content": "x"}],
                "'role' and 'content'": [{"role": "user"}], "must be text": [user(None)],
                "surrogate": [user("ok \ud800")]}
     for words, messages in refused.items():

@@ -14,9 +14,8 @@ SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=6
 
 
 class TestChatEMLLMStandardUnit(ChatModelUnitTests):
-    """The peer suite. Tool calling, structured output and multimodal input are not supported: the flags below say
-    so (bind_tools and with_structured_output are overridden only to raise a message naming what to do instead;
-    image/audio/pdf flags default to False), so those tests return or skip on the suite's own flags."""
+    """The peer suite, tool calling and structured output included; image/audio/pdf input is not supported (those
+    flags default to False, so the suite skips those tests on its own)."""
 
     @property
     def chat_model_class(self) -> type[ChatEMLLM]:
@@ -28,7 +27,7 @@ class TestChatEMLLMStandardUnit(ChatModelUnitTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False  # bind_tools is overridden only to say so plainly
+        return True
 
     @pytest.mark.xfail(strict=True, raises=ValueError, reason=(
         "the suite loads with allowed_objects='all', which admits only the classes in langchain-core's own mapping, "
@@ -39,7 +38,7 @@ class TestChatEMLLMStandardUnit(ChatModelUnitTests):
 
     @property
     def has_structured_output(self) -> bool:
-        return False
+        return True
 
 
 # ---------------------------------------------------------------------- construction
@@ -131,12 +130,16 @@ def test_non_text_content_is_a_clear_error(block):
         to_engine_messages([HumanMessage(content=[{"type": "text", "text": "What is this?"}, block])])
 
 
-def test_tool_messages_and_tool_calls_are_clear_errors():
-    with pytest.raises(ValueError, match="no tool calling.*ToolMessage"):
-        to_engine_messages([HumanMessage("1+2?"), ToolMessage("3", tool_call_id="x")])
-    call = AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1}, "id": "x", "type": "tool_call"}])
-    with pytest.raises(ValueError, match="AIMessage with tool_calls"):
-        to_engine_messages([HumanMessage("1+2?"), call])
+def test_tool_calls_and_results_become_engine_turns():
+    call = AIMessage([{"type": "text", "text": "Adding."}, {"type": "tool_use", "id": "x", "name": "add",
+                                                            "input": {"a": 1}}],
+                     tool_calls=[{"name": "add", "args": {"a": 1}, "id": "x", "type": "tool_call"}])
+    turns = to_engine_messages([HumanMessage("1+2?"), call, ToolMessage("3", tool_call_id="x")])
+    assert turns[1] == {"role": "assistant", "content": "Adding.", "tool_calls": [
+        {"type": "function", "id": "x", "function": {"name": "add", "arguments": {"a": 1}}}]}
+    assert turns[2] == {"role": "tool", "content": "3", "tool_call_id": "x"}
+    with pytest.raises(ValueError, match="tool_use"):  # a provider's call block without tool_calls is not text
+        to_engine_messages([AIMessage([{"type": "tool_use", "id": "x", "name": "add", "input": {}}])])
 
 
 def test_unknown_roles_and_empty_conversations_are_clear_errors():
@@ -167,11 +170,12 @@ def test_ls_params_report_the_model_and_a_per_call_override():
 
 def test_call_options_override_the_instance_and_are_checked_before_any_work():
     llm = ChatEMLLM(max_tokens=9, temperature=0.2, stop=["x"])
-    model, options = llm._call_options(None, {"temperature": 0.9, "seed": 4, "stream": True})
-    assert model is None
+    call = llm._call_options(None, {"temperature": 0.9, "seed": 4, "stream": True})
+    assert call.model is None and call.tools is None and call.response_format is None
+    options = call.sampling
     assert options == {"max_new_tokens": 9, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "seed": 4, "stop": ["x"]}
-    assert llm._call_options(["y"], {"model": "m"}) == ("m", {**options, "temperature": 0.2, "seed": None,
-                                                               "stop": ["y"]})
+    assert llm._call_options(["y"], {"model": "m"})[:2] == ("m", {**options, "temperature": 0.2, "seed": None,
+                                                                   "stop": ["y"]})
     with pytest.raises(TypeError, match=r"Unknown call option\(s\) \['temprature'\]"):
         llm._call_options(None, {"temprature": 0.5})
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
@@ -202,13 +206,19 @@ def test_settings_round_trip_through_langchain_serialisation():
 def test_the_profile_says_what_the_model_does():
     profile = ChatEMLLM().profile
     assert profile["name"] == DEFAULT_MODEL and profile["text_inputs"] and profile["open_weights"]
-    assert not profile["tool_calling"] and not profile["structured_output"] and not profile["image_inputs"]
+    assert profile["tool_calling"] and profile["tool_choice"] and profile["structured_output"]
+    assert not profile["image_inputs"]
     assert "max_input_tokens" not in profile  # an episodic memory has no input limit unless one is set
     assert ChatEMLLM(max_input_tokens=50_000).profile["max_input_tokens"] == 50_000
 
 
-def test_tools_and_structured_output_are_refused_with_what_to_do_instead():
-    with pytest.raises(NotImplementedError, match="no tool calling yet.*HumanMessage"):
-        ChatEMLLM().bind_tools([])
-    with pytest.raises(NotImplementedError, match="no structured output yet.*PydanticOutputParser"):
-        ChatEMLLM().with_structured_output(dict)
+def test_wrong_tool_choices_and_structured_output_methods_fail_when_bound():
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(ValueError, match="names 'subtract', which is not among the bound tools \\['add'\\]"):
+        ChatEMLLM().bind_tools([tool], tool_choice="subtract")
+    with pytest.raises(ValueError, match="tool_choice must be"):
+        ChatEMLLM().bind_tools([tool], tool_choice=3)
+    with pytest.raises(ValueError, match="method must be 'json_schema', 'function_calling' or 'json_mode'"):
+        ChatEMLLM().with_structured_output({"type": "object"}, method="xml")
+    with pytest.raises(ValueError, match="needs a schema"):
+        ChatEMLLM().with_structured_output(None)

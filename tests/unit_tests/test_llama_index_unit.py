@@ -10,7 +10,7 @@ import base64
 import threading
 
 import pytest
-from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock, ToolCallBlock
 from llama_index.core.schema import Document, ImageDocument, MetadataMode, TextNode
 
 from emllm import DEFAULT_MODEL, ConfigError, GenerationResult, RetrievedEvent, TextStream
@@ -109,12 +109,51 @@ def test_messages_become_engine_dicts():
         {"role": "assistant", "content": "c"}]
 
 
-def test_images_and_tool_messages_are_refused():
+def test_images_are_refused_and_tool_calls_and_results_become_engine_turns():
     image = ChatMessage(role="user", blocks=[TextBlock(text="What is this?"), ImageBlock(image=PNG)])
     with pytest.raises(ValueError, match="text only.*ImageBlock"):
         to_engine_messages([image])
-    with pytest.raises(ValueError, match="'tool' message.*no tool or function calling"):
-        to_engine_messages([ChatMessage(role=MessageRole.TOOL, content="42")])
+    call = ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_call_id="c1", tool_name="add",
+                                                               tool_kwargs='{"a": 1, "b": 2}')])
+    result = ChatMessage(role=MessageRole.TOOL, content="3", additional_kwargs={"tool_call_id": "c1"})
+    assert to_engine_messages([call, result]) == [
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "c1", "function": {
+            "name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "content": "3", "tool_call_id": "c1"}]
+    broken = ChatMessage(role="assistant", blocks=[ToolCallBlock(tool_name="add", tool_kwargs="{'a': 1")])
+    with pytest.raises(ValueError, match="arguments must be a JSON object"):
+        to_engine_messages([broken])
+
+
+
+def test_tools_are_prepared_for_chat_and_calls_read_back_without_loading_a_model():
+    from llama_index.core.base.llms.types import ChatResponse
+    from llama_index.core.tools import FunctionTool
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = EMLLM()
+    assert llm.metadata.is_function_calling_model
+    prepared = llm._prepare_chat_with_tools([FunctionTool.from_defaults(add)], user_msg="1+2?", tool_required=True)
+    assert prepared["tool_choice"] == "required" and prepared["messages"][-1].content == "1+2?"
+    assert prepared["tools"][0]["function"]["name"] == "add"
+    with pytest.raises(ValueError, match="names 'sub', which is not among the bound tools"):
+        llm._options({"tools": prepared["tools"], "tool_choice": "sub"}, tools_allowed=True)
+    with pytest.raises(TypeError, match="unknown keyword argument"):
+        llm._options({"tools": prepared["tools"]})  # complete() takes no tools
+    answer = ChatResponse(message=ChatMessage(role="assistant", blocks=[
+        TextBlock(text=""), ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs={"a": 1, "b": 2}),
+        ToolCallBlock(tool_call_id="c2", tool_name="add", tool_kwargs={"a": 3, "b": 4})]))
+    assert [(c.tool_name, c.tool_kwargs) for c in llm.get_tool_calls_from_response(answer)] == [
+        ("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
+    single = llm._validate_chat_with_tools_response(answer, [], allow_parallel_tool_calls=False)
+    assert [c.tool_id for c in llm.get_tool_calls_from_response(single)] == ["c1"]
+    with pytest.raises(ValueError, match="answered without calling a tool.*tool_required=True"):
+        llm.get_tool_calls_from_response(ChatResponse(message=ChatMessage(role="assistant", content="3")))
+    assert llm.get_tool_calls_from_response(ChatResponse(message=ChatMessage(role="assistant", content="3")),
+                                            error_on_no_tool_call=False) == []
 
 
 # ---------------------------------------------------------------------- documents
