@@ -16,6 +16,9 @@ KV head they share (heads = kv_heads * groups, as transformers' repeat_kv orders
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from transformers import AttentionInterface
 
@@ -78,7 +81,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
     """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts;
     ``bias`` [keys] is added to the logits of every query (not with causal).
 
-    causal=True is only for a square block (the chunk attending to itself): the fused kernel aligns a
+    causal=True is only for a square block (the chunk attending to itself): the fused kernels align a
     rectangular causal mask top-left, the opposite of a window's last rows.
     """
     if causal and query.shape[-2] != key.shape[-2]:
@@ -86,17 +89,117 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
                          f"{key.shape[-2]} keys")
     if key.shape[-2] == 0:  # nothing to attend to (no sinks, nothing retrieved): a part that weighs nothing
         return torch.zeros_like(query), torch.full(query.shape[:-1], float("-inf"), device=query.device)
-    if query.device.type == "cpu":
+    kernel, why = kernel_for(query, bias)
+    if kernel == "cpu":
         mask = None if bias is None else bias.to(query.dtype).view(1, 1, 1, -1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, attn_mask=mask, scale=scaling)
         return out, lse.float()
+    if kernel in ("flash", "efficient"):
+        return attend_fused_cuda(kernel, query, key, value, scaling, causal, bias)
+    _note_reference(why)
     return attend_reference(query, key, value, scaling, causal, bias)
+
+
+def kernel_for(query: torch.Tensor, bias: torch.Tensor | None) -> tuple[str, str]:
+    """(kernel, why) for one part: "cpu" (PyTorch's CPU flash kernel), cuda_kernel's choice on CUDA, else
+    "reference" (other accelerators: no fused kernel here returns the log-sum-exp)."""
+    if query.device.type == "cpu":
+        return "cpu", "the CPU flash kernel takes every dtype and a bias"
+    if query.device.type == "cuda":
+        return cuda_kernel(query.dtype, bias is not None, query.shape[-1], _flash_supported(query.device))
+    return "reference", f"no fused kernel returning the log-sum-exp is wired for {query.device.type}"
+
+
+FUSED_HEAD_DIMS = range(8, 257, 8)
+"""Head dimensions both CUDA kernels take as they are: multiples of 8 up to 256 (every supported model's head is
+64, 128 or 256). Others would need the head padded, which PyTorch's public SDPA does and its kernels do not."""
+
+
+def cuda_kernel(dtype: torch.dtype, has_bias: bool, head_dim: int, flash: bool = True) -> tuple[str, str]:
+    """Which kernel computes one attention part on CUDA, and why: ("flash" | "efficient" | "reference", reason).
+
+    Both fused kernels return the log-sum-exp the parts are merged by, and never hold the [heads, q, keys] logits.
+    Flash attention is the faster, but takes only 16-bit inputs and no additive bias; the memory-efficient kernel
+    takes float32 and a bias. ``flash``: whether the device runs flash attention (compute capability 8.0 or later).
+    A pure function of the inputs' description, so the choice is tested where there is no GPU.
+    """
+    if head_dim not in FUSED_HEAD_DIMS:
+        return "reference", f"head dimension {head_dim} is not a multiple of 8 up to 256"
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "reference", f"no fused attention kernel takes {dtype}"
+    if dtype == torch.float32:
+        return "efficient", "flash attention takes only float16 and bfloat16"
+    if has_bias:
+        return "efficient", "flash attention takes no additive bias"
+    if not flash:
+        return "efficient", "this GPU predates flash attention (compute capability 8.0)"
+    return "flash", "16-bit inputs without a bias"
+
+
+def attend_fused_cuda(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                      causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """_attend through the fused kernel cuda_kernel chose, by PyTorch's aten operators (the public SDPA returns no
+    log-sum-exp). Both give the natural-log log-sum-exp in float32; the memory-efficient one pads it along the
+    queries to a multiple of 32, so it is cut back to the queries asked."""
+    if kernel == "flash":
+        return _flash_op(query, key, value, causal, scaling)
+    mask = None if bias is None else efficient_bias(bias, query.shape[1], query.shape[2], query.dtype)
+    out, lse = _efficient_op(query, key, value, mask, causal, scaling)
+    return out, lse[..., :query.shape[2]]
+
+
+def _flash_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten's flash attention: (output, log-sum-exp [B, H, q] float32). Apart so tests can stand in for it."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False,
+                                                                  scale=scaling)[:2]
+    return out, lse
+
+
+def _efficient_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """aten's memory-efficient attention: (output, log-sum-exp [B, H, q rounded up to 32] float32)."""
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, mask, True, 0.0, causal,
+                                                                      scale=scaling)[:2]
+    return out, lse
+
+
+BIAS_ALIGNMENT = 16
+"""Elements the memory-efficient kernel's bias rows are padded to (16 bytes or more for every dtype), as PyTorch's
+public SDPA pads an attention mask before that kernel."""
+
+
+def efficient_bias(bias: torch.Tensor, heads: int, queries: int, dtype: torch.dtype) -> torch.Tensor:
+    """bias [keys] as the memory-efficient kernel takes it: [1, heads, queries, keys] in the queries' dtype, a
+    broadcast view (no copy per head or query) of one row padded to BIAS_ALIGNMENT, its last dimension contiguous.
+    The kernel checks the bias's size along every dimension (it does not broadcast size-1 ones itself)."""
+    keys = bias.shape[-1]
+    row = torch.zeros(-(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT, dtype=dtype, device=bias.device)
+    row[:keys] = bias
+    return row.view(1, 1, 1, -1)[..., :keys].expand(1, heads, queries, keys)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_supported(device: torch.device) -> bool:
+    """Whether this CUDA device runs flash attention (Ampere, compute capability 8.0, or later)."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+_REFERENCE_NOTED: set[str] = set()
+
+
+def _note_reference(why: str) -> None:
+    """Warn once per reason that attention on an accelerator materialises its logits (slower, more memory)."""
+    if why not in _REFERENCE_NOTED:
+        _REFERENCE_NOTED.add(why)
+        warnings.warn(f"emllm attention uses its reference path (materialised logits): {why}.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                      causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in plain tensor ops: used on accelerators and as the reference in tests."""
+    """The same in plain tensor ops: on devices without a fused kernel, and as the reference in tests."""
     logits = torch.matmul(query, key.transpose(-1, -2)).float() * scaling
     if bias is not None:
         logits = logits + bias.float()

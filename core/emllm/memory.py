@@ -149,8 +149,9 @@ class LayerMemory:
         """
         n = int(sizes.sum())
         keys = self.rope.rotate(self.keys[:, :n], torch.zeros(n, dtype=torch.long, device=self.device))
-        self.index.add(event_representatives(keys, self.scores[:, :n], starts.to(self.device),
-                                             sizes.to(self.device), topk))
+        # The longest event is read here, on the CPU: read from the device copy it would wait for the GPU.
+        self.index.add(event_representatives(keys, self.scores[:, :n], starts.to(self.device, non_blocking=True),
+                                             sizes.to(self.device, non_blocking=True), topk, int(sizes.max())))
         return torch.stack([keys, self.values[:, :n]]).transpose(1, 2)  # [2, n, kv, d]
 
     def set_retrieved(self, event_ids: tuple[int, ...], keys: torch.Tensor | None = None,
@@ -228,14 +229,15 @@ class LayerMemory:
 
 
 def event_representatives(keys: torch.Tensor, scores: torch.Tensor, starts: torch.Tensor, sizes: torch.Tensor,
-                          topk: int) -> torch.Tensor:
+                          topk: int, longest: int | None = None) -> torch.Tensor:
     """Per event and KV head, the mean key of the topk most-attended tokens: [e, kv * d] float32.
 
     keys [kv, n, d], scores [kv, n]; events are the contiguous ranges (starts, sizes). Events are padded to the
-    longest one so all are handled in one topk, padding scored -inf and excluded from the mean.
+    longest one so all are handled in one topk, padding scored -inf and excluded from the mean. ``longest``: the
+    largest size where the caller knows it (sizes on a GPU would otherwise be read back to find it).
     """
     kv, n, d = keys.shape
-    e, longest = starts.shape[0], int(sizes.max())
+    e, longest = starts.shape[0], int(sizes.max()) if longest is None else longest
     offsets = torch.arange(longest, device=keys.device)                       # [longest]
     token = starts[:, None] + offsets[None, :]                                # [e, longest]
     valid = offsets[None, :] < sizes[:, None]                                 # [e, longest]

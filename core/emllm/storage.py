@@ -14,6 +14,11 @@ there and a read takes only the bytes of the layer it needs (1/num_layers of the
 
 Because sealed pages never change, a store can be forked cheaply: the fork shares every sealed page (tensors and
 disk files) and copies only the page being filled. A disk folder lives while any store still refers to it.
+
+With a CUDA top tier, pages in CPU RAM are pinned (page-locked) and disk reads land in pinned buffers, so bringing
+them up is an asynchronous copy on the current stream: the kernels that read the result are queued behind it on that
+stream, and PyTorch's pinned-memory allocator keeps a source buffer until its copy has finished. Copies down (device
+to RAM) stay synchronous: the CPU reads or writes those bytes next.
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ class PageStore:
         budget = lambda mb: float("inf") if mb is None else mb * 2**20  # noqa: E731
         device = torch.device(device)
         self.tiers: list[_Tier] = []
+        self.pin = device.type == "cuda"  # pinning needs CUDA, and only a CUDA device copies from it asynchronously
         if device.type != "cpu":
             self.tiers.append(_Tier(device, budget(device_budget_mb), OrderedDict()))
         self.tiers.append(_Tier(torch.device("cpu"), budget(ram_budget_mb), OrderedDict()))
@@ -170,14 +176,21 @@ class PageStore:
         token_index = token_index.to("cpu")
         page_of = token_index // self.page_tokens
         pages, counts = torch.unique_consecutive(page_of, return_counts=True)
+        within = token_index - page_of * self.page_tokens  # each token's row in its page
+        # The rows go to a page's device once per gather, not once per page: a copy the CPU waits for would stall
+        # on all the work queued before it (non_blocking from pageable memory is staged at once, so it is safe).
+        within_on: dict[torch.device, torch.Tensor] = {torch.device("cpu"): within}
         parts: list[torch.Tensor] = []
         start = 0
         for page_id, count in zip(pages.tolist(), counts.tolist()):
-            rows = token_index[start:start + count] - page_id * self.page_tokens
-            start += count
             page = self._in_memory(page_id)
-            kv = (self._read_disk_rows(page_id, layer, rows) if page is None                 # [2, count, kv, d]
-                  else page[layer].index_select(1, rows.to(page.device)))
+            if page is None:
+                kv = self._read_disk_rows(page_id, layer, within[start:start + count])          # [2, count, kv, d]
+            else:
+                if page.device not in within_on:
+                    within_on[page.device] = within.to(page.device, non_blocking=True)
+                kv = page[layer].index_select(1, within_on[page.device][start:start + count])
+            start += count
             parts.append(kv.to(device, non_blocking=True))
         kv = torch.cat(parts, dim=1) if len(parts) != 1 else parts[0]  # [2, n, kv_heads, head_dim]
         kv = kv.transpose(1, 2)  # [2, kv_heads, n, head_dim]
@@ -210,7 +223,7 @@ class PageStore:
     def _layer_keys_of_page(self, page_id: int, layer: int) -> torch.Tensor:
         """[page_tokens, kv_heads, head_dim]: from memory (promoted, as in gather) or from the page's file."""
         page = self._in_memory(page_id)
-        return self._read_disk(page_id, (layer, 0)) if page is None else page[layer, 0]
+        return self._read_disk(page_id, (layer, 0), pinned=self.pin) if page is None else page[layer, 0]
 
     def _in_memory(self, page_id: int, promote: bool = True) -> torch.Tensor | None:
         """The page if it is being filled or a memory tier holds it, else None (it is on disk). With ``promote``
@@ -224,7 +237,7 @@ class PageStore:
                 if level == 0:
                     tier.pages.move_to_end(page_id)
                     return tier.pages[page_id]
-                page = self._pop(level, page_id).to(self.tiers[0].device)
+                page = self._pop(level, page_id).to(self.tiers[0].device, non_blocking=True)  # pinned: async
                 self._put(0, page_id, page, strict=False)
                 return page
         return None
@@ -258,10 +271,17 @@ class PageStore:
         page = self.tiers[level].pages[page_id]
         if level + 1 < len(self.tiers):
             self._pop(level, page_id)
-            self._put(level + 1, page_id, page.to(self.tiers[level + 1].device), strict)
+            self._put(level + 1, page_id, self._moved_down(page, self.tiers[level + 1].device), strict)
         else:
             self._write_disk(page_id, page)
             self._pop(level, page_id)
+
+    def _moved_down(self, page: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The page on a lower tier's device; into pinned RAM under a CUDA top tier, so that bringing it back up
+        is asynchronous. A synchronous copy: the page is complete when this returns."""
+        if not (self.pin and device.type == "cpu" and page.device.type != "cpu"):
+            return page.to(device)
+        return torch.empty(page.shape, dtype=page.dtype, pin_memory=True).copy_(page)
 
     # ------------------------------------------------------------------ disk
     def _own_folder(self) -> _Folder:
@@ -312,13 +332,14 @@ class PageStore:
         fit = sum(t.budget_bytes for t in self.tiers) / self.page_bytes
         return 0 if fit == float("inf") else max(0, sealed_pages - int(fit))
 
-    def _read_disk(self, page_id: int, index: tuple[int, ...] = ()) -> torch.Tensor:
-        """page[index] from the page's file: a leading index of a C-ordered page is one contiguous byte range."""
+    def _read_disk(self, page_id: int, index: tuple[int, ...] = (), pinned: bool = False) -> torch.Tensor:
+        """page[index] from the page's file: a leading index of a C-ordered page is one contiguous byte range.
+        ``pinned``: read into page-locked memory (it is about to be copied to a CUDA device)."""
         shape = self.page_shape[len(index):]
         first = 0
         for i, size in zip(index, self.page_shape):  # the range's start, in units of the indexed block
             first = first * size + i
-        out = torch.empty(shape, dtype=self.dtype)
+        out = torch.empty(shape, dtype=self.dtype, pin_memory=pinned)
         raw = _bytes_of(out)
         with self._page_file(page_id) as (fd, data_offset):
             _pread_into(fd, raw, data_offset + first * raw.nbytes)
@@ -327,10 +348,11 @@ class PageStore:
     def _read_disk_rows(self, page_id: int, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """page[layer][:, rows] from the page's file, [2, len(rows), kv_heads, head_dim]: one read per run of
         consecutive rows (a retrieved event is one run), keys and values apart, so only the retrieved tokens'
-        bytes are read, not the page's other layers and tokens."""
+        bytes are read, not the page's other layers and tokens. Into pinned memory under a CUDA top tier (gather
+        copies the rows up asynchronously)."""
         _, _, tokens, kv_heads, head_dim = self.page_shape
         n = len(rows)
-        out = torch.empty(2, n, kv_heads, head_dim, dtype=self.dtype)
+        out = torch.empty(2, n, kv_heads, head_dim, dtype=self.dtype, pin_memory=self.pin)
         raw, row_bytes = _bytes_of(out), kv_heads * head_dim * out.element_size()
         begins = [0, *(torch.nonzero(rows[1:] - rows[:-1] != 1).flatten() + 1).tolist()]
         runs = list(zip(begins, [*begins[1:], n], rows[begins].tolist()))  # (first, end) in out, first row in page
