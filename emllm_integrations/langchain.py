@@ -58,6 +58,7 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
+from langchain_core.utils.utils import secret_from_env
 from pydantic import ConfigDict, Field, SecretStr, model_validator
 
 from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, Grammar, MemoryPool, shared_engine
@@ -117,7 +118,7 @@ class ChatEMLLM(BaseChatModel):
     # accepted so code (and the standard test suite) written for hosted chat models runs unchanged, and unused.
     timeout: float | None = None
     max_retries: int = 0
-    api_key: SecretStr | None = None
+    api_key: SecretStr | None = Field(default_factory=secret_from_env("EMLLM_API_KEY", default=None))
 
     model_config = ConfigDict(validate_by_name=True, validate_by_alias=True, arbitrary_types_allowed=True)
 

@@ -28,8 +28,9 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
+from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore
+from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
 from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, GenerationResult, MemoryPool, TextStream
@@ -40,7 +41,7 @@ from emllm.sessions import shared_engine, shared_pool
 from .async_bridge import iterate_in_thread
 from .prompts import chat_frame, chat_header, check_template, qa_suffix
 from .sampling import sampling_options
-from .sources import document_shares, tokenize_documents
+from .sources import attention_shares, document_shares, tokenize_documents
 from .tool_choice import chosen_tools, tool_decoding
 
 DEFAULT_CONTEXT_WINDOW = 1 << 20
@@ -56,6 +57,9 @@ TOOL_OPTIONS = ("tools", "tool_choice")
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system", MessageRole.USER: "user",
           MessageRole.ASSISTANT: "assistant", MessageRole.MODEL: "assistant", MessageRole.CHATBOT: "assistant"}
 
+
+SOURCE_MIN_SHARE = 0.05
+"""A document is a source when it drew at least this share of the attention the answer gave the documents."""
 
 SAVE_KIND = "emllm-query-engine/1"  # what EMLLMQueryEngine.save() puts in a saved memory's metadata
 
@@ -370,6 +374,19 @@ def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = Metadata
 
 
 # ---------------------------------------------------------------------- the query engine
+class EMLLMRetriever(BaseRetriever):
+    """EMLLMQueryEngine.as_retriever(): nodes by where the memory's answer looks, not by embedding similarity."""
+
+    def __init__(self, query_engine: "EMLLMQueryEngine", max_tokens: int = 16, **kwargs: Any):
+        sampling_options(max_tokens, 0.0, 1.0, 0, None, None)
+        super().__init__(**kwargs)
+        self._query_engine, self._max_tokens = query_engine, max_tokens
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return self._query_engine.sources(query_bundle.query_str, self._max_tokens)
+
+
+
 class EMLLMQueryEngine(CustomQueryEngine):
     """Reads every document into one episodic memory once, then answers each question from that memory: the
     prompt is the documents' tokens followed by the question, so only the question is read per query, and the
@@ -455,12 +472,18 @@ class EMLLMQueryEngine(CustomQueryEngine):
             return chat_frame(self._pool.engine, question)[1]
         return self._pool.engine.tokenize(qa_suffix(question))
 
-    def _start(self, question: str) -> tuple[TextStream, int]:
-        options = sampling_options(self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed, self.stop)
+    def as_retriever(self, max_tokens: int = 16, **kwargs: Any) -> "EMLLMRetriever":
+        """A retriever over the read documents, for chat engines (CondensePlusContextChatEngine): a query is
+        answered briefly and the documents that answer attended to are its nodes, scored by their share."""
+        return EMLLMRetriever(self, max_tokens=max_tokens, **kwargs)
+
+    def _start(self, question: str, max_tokens: int | None = None) -> tuple[TextStream, int]:
+        options = sampling_options(max_tokens or self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
+                                   self.stop)
         suffix = self.question_ids(question)
         # allow_empty=False: an answer that ended at once would print as 'None' (LlamaIndex's text for no answer).
         return self._pool.stream(self._context_ids + suffix, progress=self.progress, allow_empty=False,
-                                 **options), len(suffix)
+                                 attribute=True, **options), len(suffix)
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         stream, question_tokens = self._start(query_str)
@@ -500,17 +523,28 @@ class EMLLMQueryEngine(CustomQueryEngine):
                 metadata.update(described)
 
     def _describe(self, result: GenerationResult, question_tokens: int) -> tuple[list[NodeWithScore], dict]:
-        shares = document_shares(self.spans, result.retrieved_events)
-        order = sorted((d for d, share in enumerate(shares) if share > 0), key=lambda d: -shares[d])
-        sources = [NodeWithScore(node=self.nodes[d], score=shares[d]) for d in order]
+        """Sources: the documents the answer's tokens attended to (local window, sinks and retrieved events), each
+        scored by its share of that attention; those under SOURCE_MIN_SHARE are left to the metadata."""
+        shares = attention_shares(self.spans, result.attention)
+        order = sorted(range(len(shares)), key=lambda d: -shares[d])
+        sources = [NodeWithScore(node=self.nodes[d], score=shares[d]) for d in order if shares[d] >= SOURCE_MIN_SHARE]
+        retrieved = document_shares(self.spans, result.retrieved_events)
         # retrieved_spans: the exact passages in attention ([start, end) token positions in the prompt, with the
         # number of layers, out of num_layers, that retrieved each), for finer attribution than whole documents.
         metadata = {**usage(result), "model": self.model, "context_tokens": len(self._context_ids),
                     "question_tokens": question_tokens, "retrieved_events": len(result.retrieved_events),
                     "document_shares": {self.nodes[d].node_id: shares[d] for d in order},
+                    "retrieved_shares": {self.nodes[d].node_id: retrieved[d] for d in order if retrieved[d] > 0},
                     "retrieved_spans": [(e.start, e.end, e.layers) for e in result.retrieved_events],
                     "num_layers": self._pool.engine.shape.num_layers}
         return sources, metadata
+
+    def sources(self, question: str, max_tokens: int | None = None) -> list[NodeWithScore]:
+        """The documents an answer to ``question`` draws on (what as_retriever returns)."""
+        stream, question_tokens = self._start(question, max_tokens)
+        for _ in stream:
+            pass
+        return self._describe(stream.result, question_tokens)[0]
 
     def close(self) -> None:
         """Free the documents' memory (its disk pages are removed); the engine stays loaded for others."""

@@ -76,6 +76,17 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     return (probs * visible).sum(dim=(1, 2))
 
 
+def attention_given(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[keys] the attention probability one query position gave each key, summed over the heads: what credits an
+    answer's token to the text it came from. query [kv, groups, d] (heads grouped by KV head), keys [kv, n, d],
+    lse [kv, groups] the log-sum-exp over every part the query attended to; bias [n] as the attention added it."""
+    logits = torch.matmul(query, keys.transpose(1, 2)).float() * scaling                 # [kv, groups, n]
+    if bias is not None:
+        logits = logits + bias.float().to(logits.device)
+    return torch.exp(logits - lse.float()[:, :, None]).sum(dim=(0, 1))
+
+
 def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
             causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts;

@@ -66,6 +66,7 @@ class Decoding(NamedTuple):
     grammar: Grammar | None = None
     allow_empty: bool = True
     keep: int | None = None  # the prompt's first tokens to keep in attention (its tool listing)
+    attribute: bool = False  # record where the answer's attention went (GenerationResult.attention)
 
 
 class MemoryMismatchError(ValueError):
@@ -83,6 +84,9 @@ class GenerationResult:
     decode_seconds: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     retrieved_events: list[RetrievedEvent] = field(default_factory=list)  # memory in attention as the answer began
+    # [positions] with stream(attribute=True): the attention the generated tokens gave each absolute position of the
+    # prompt and answer (local window, sinks, retrieved events), summed over tokens, layers and heads
+    attention: torch.Tensor | None = None
 
 
 @dataclass
@@ -181,10 +185,11 @@ class EMEngine:
 
     def _event_text_embedder(self, name: str) -> Callable[[list[list[int]]], torch.Tensor]:
         """Token id lists -> unit vectors of their text, for scoring.EventText. The sentence-transformers model is
-        loaded once per process (embeddings.load_embedding_model) and shared by every memory."""
+        loaded once per process and device (embeddings.load_embedding_model) and shared by every memory; on the
+        model's own device (measured on an H100: with the embedder on the host CPU, preset E read at 0.44x S)."""
         from .embeddings import TextEmbedder
 
-        embedder = TextEmbedder(name)
+        embedder = TextEmbedder(name, device=str(self.store_device))
         return lambda id_lists: embedder.embed(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True))
 
     def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike", metadata: dict | None = None) -> Any:
@@ -499,12 +504,13 @@ class EMEngine:
     def stream(self, prompt: Prompt, *, memory: EpisodicMemory | None = None, max_new_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: Sequence[str] | None = None, progress: bool = False, tools: list[dict] | None = None,
-               grammar: Grammar | None = None, allow_empty: bool = True) -> TextStream:
+               grammar: Grammar | None = None, allow_empty: bool = True, attribute: bool = False) -> TextStream:
         """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read.
 
         ``tools`` (OpenAI function dicts) are listed in the chat (emllm.tools); ``grammar`` constrains what is
         generated (emllm.grammar: a JSON schema, tool calls), checked before anything is read; ``allow_empty=False``
-        keeps the end of turn away until the answer has a visible character."""
+        keeps the end of turn away until the answer has a visible character; ``attribute=True`` records where the
+        answer's attention went (GenerationResult.attention: what sources are credited from)."""
         check_sampling(max_new_tokens, temperature, top_p, top_k, seed=seed, stop=stop)
         if memory is not None and not isinstance(memory, EpisodicMemory):
             raise TypeError(f"memory must be an EpisodicMemory (engine.new_memory()) or None, got "
@@ -517,7 +523,7 @@ class EMEngine:
         memory = memory if memory is not None else self.new_memory()
         holder: dict = {}
         decoding = Decoding(max_new_tokens, temperature, top_p, top_k, seed, stop, grammar, allow_empty,
-                            self.tool_listing_end(prompt, tools))
+                            self.tool_listing_end(prompt, tools), attribute)
         return TextStream(self._run(memory, ids, question_start, own_memory, decoding, progress, holder), holder)
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
@@ -546,6 +552,8 @@ class EMEngine:
             generator = torch.Generator(device="cpu").manual_seed(decoding.seed) if decoding.seed is not None else None
             constraint = self.grammars.constraint(decoding.grammar) if decoding.grammar is not None else None
             stop = decoding.stop
+            if decoding.attribute:
+                memory.attribution = torch.zeros(len(ids) + decoding.max_new_tokens)
             generated: list[int] = []
             emitted, text, finish = "", "", "length"
             started = time.perf_counter()
@@ -589,8 +597,10 @@ class EMEngine:
             holder["result"] = GenerationResult(
                 text=emitted, finish_reason=finish, input_tokens=len(ids), output_tokens=len(generated),
                 new_input_tokens=len(ids) - seen, prefill_seconds=prefill,
-                decode_seconds=time.perf_counter() - started, token_ids=generated, retrieved_events=retrieved)
+                decode_seconds=time.perf_counter() - started, token_ids=generated, retrieved_events=retrieved,
+                attention=memory.attribution)
         finally:
+            memory.attribution = None
             if own_memory:
                 memory.close()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_received, episodic_attention, group_heads
+from .attention import attention_given, attention_received, episodic_attention, group_heads
 from .memory import EpisodicMemory, LayerMemory
 from .retrieval import fill_budget, gather_events
 from .scoring import Pinned, ScoringStep, rank_events
@@ -55,12 +55,29 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                               kv_heads)
             memory_keys = layer.ordered_memory_keys()
         memory_keys = memory_keys[None]
+    bias = relevance_bias(layer, memory) if q_memory is not None else None
     out, lse = episodic_attention(q_local, keys, values, q_memory, memory_keys,
-                                  layer.memory_values[None], scaling,
-                                  relevance_bias(layer, memory) if q_memory is not None else None)  # [1, heads, q, d]
+                                  layer.memory_values[None], scaling, bias)               # [1, heads, q, d]
     if memory.config.attention == "episodic":
         layer.scores[:, :window] += attention_received(q_local, keys, lse, scaling)
+    if memory.attribution is not None and q == 1:
+        attribute_token(memory, layer, q_local, keys, q_memory, memory_keys, lse, scaling, bias)
     return out.transpose(1, 2), None  # [1, q, heads, d]
+
+
+def attribute_token(memory: EpisodicMemory, layer: LayerMemory, q_local: torch.Tensor, keys: torch.Tensor,
+                    q_memory: torch.Tensor | None, memory_keys: torch.Tensor | None, lse: torch.Tensor,
+                    scaling: float, bias: torch.Tensor | None) -> None:
+    """Credit a generated token's attention in this layer to the absolute positions it went to: the local window
+    and, in the memory part, the sinks and the retrieved events (EpisodicMemory.attribution)."""
+    kv_heads, window = keys.shape[1], keys.shape[2]
+    lse = lse[0, :, 0].view(kv_heads, -1)                                                 # [kv, groups]
+    mass = [attention_given(group_heads(q_local, kv_heads)[0], keys[0], lse, scaling)]   # [window]
+    positions = [torch.arange(memory.local_start, memory.local_start + window)]
+    if q_memory is not None:
+        mass.append(attention_given(q_memory[0], memory_keys[0], lse, scaling, bias))   # [sinks + retrieved]
+        positions.append(memory.memory_positions(layer))
+    memory.attribute(torch.cat(positions), torch.cat([m.cpu() for m in mass]))
 
 
 def relevance_bias(layer: LayerMemory, memory: EpisodicMemory) -> torch.Tensor | None:
@@ -90,7 +107,8 @@ def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, 
     if layer.keeps_key_copy:  # kept current while reading, so an answering forward finds it filled
         layer.stored_keys(memory.store)
     step = ScoringStep(layer, queries, scaling, sizes, memory.store, memory.plan, candidates)
-    similar = fill_budget(rank_events(scorer.score(step), candidates), sizes, config.similarity_tokens).tolist()
+    similar = fill_budget(rank_events(scorer.score(step), candidates, pinned), sizes,
+                          config.similarity_tokens).tolist()
     neighbours = layer.contiguity.update(similar, sizes, layer.index.size)
     chosen = tuple(sorted(set(similar).union(neighbours)))
     layer.retrievals += 1

@@ -24,7 +24,7 @@ import torch
 
 from . import segmentation
 from .config import EMConfig
-from .retrieval import ContiguityBuffer, RepresentativeIndex, gather_events
+from .retrieval import ContiguityBuffer, RepresentativeIndex, gather_events, token_index_of_events
 from .scoring import RetrievalPlan, uses_stored_keys
 from .rope import RotaryTable
 from .storage import PageStore
@@ -277,6 +277,9 @@ class EpisodicMemory:
         # tokens whose predicting logits are at hand (the first of each forward) get one.
         self.track_surprise = config.segmentation == "surprise" and config.attention == "episodic"
         self.pinned_spans: tuple[tuple[int, int], ...] = ()     # absolute token spans every layer retrieves
+        # [positions] attention the generated tokens gave each absolute position, summed over layers and heads;
+        # None unless the engine was asked to attribute an answer (EMEngine.stream(attribute=True)).
+        self.attribution: torch.Tensor | None = None
         # Set by the engine when the scorer reads event text (scoring.EventText): token id lists -> [n, dim] unit rows.
         self.text_embedder: Callable[[list[list[int]]], torch.Tensor] | None = None
         self.event_embeddings = torch.empty(0, 0)               # [events embedded so far, dim] each event's text
@@ -463,6 +466,22 @@ class EpisodicMemory:
                 layer.memory_keys, layer.memory_values = layer_state["retrieved_kv"]
             elif layer.retrieved_ids:
                 layer.set_retrieved(layer.retrieved_ids, *gather_events(self, layer, layer.retrieved_ids))
+
+    def memory_positions(self, layer: "LayerMemory") -> torch.Tensor:
+        """[sinks + retrieved tokens] the absolute position of each key in the layer's memory part, in its order
+        (the sinks, then the retrieved events' tokens in the order held)."""
+        sinks = torch.arange(layer.sink_keys.shape[1])
+        if not layer.retrieved_ids:
+            return sinks
+        events = token_index_of_events(torch.tensor(layer.retrieved_ids), self.event_boundaries(), self.event_sizes)
+        return torch.cat([sinks, events.cpu()])
+
+    def attribute(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
+        """Add attention ``mass`` [n] given to absolute ``positions`` [n] to this answer's attribution."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.attribution.shape[0]:
+            self.attribution = torch.cat([self.attribution, torch.zeros(needed - self.attribution.shape[0])])
+        self.attribution.index_add_(0, positions, mass.float().cpu())
 
     def retrieved_events(self) -> list["RetrievedEvent"]:
         """The events the layers currently hold in attention (the last retrieval), as absolute token spans with

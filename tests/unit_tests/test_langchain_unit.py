@@ -29,6 +29,11 @@ class TestChatEMLLMStandardUnit(ChatModelUnitTests):
     def has_tool_calling(self) -> bool:
         return True
 
+    @property
+    def init_from_env_params(self) -> tuple[dict, dict, dict]:
+        """The unused api_key is read from EMLLM_API_KEY, as hosted models read theirs."""
+        return {"EMLLM_API_KEY": "unused-key"}, dict(SMALL), {"api_key": "unused-key"}
+
     @pytest.mark.xfail(strict=True, raises=ValueError, reason=(
         "the suite loads with allowed_objects='all', which admits only the classes in langchain-core's own mapping, "
         "so no package outside it can pass; users allow a third-party class by name, as "
