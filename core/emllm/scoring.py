@@ -244,8 +244,8 @@ def rank_events(scores: torch.Tensor, candidates: int, pinned: Sequence[int] = (
     ``nonzero`` or boolean index on the device made the host wait (measured: 3 of ~3.2 waits per layer and chunk)."""
     k = min(scores.numel(), candidates + len(pinned))
     top, ids = torch.topk(scores, k)
-    top, ids = top.cpu(), ids.cpu()
-    return torch.cat([torch.tensor(sorted(pinned), dtype=torch.long), ids[torch.isfinite(top)]])
+    ids = torch.where(torch.isfinite(top), ids, -1).cpu()  # the one copy; -1 marks the pinned and the -inf
+    return torch.cat([torch.tensor(sorted(pinned), dtype=torch.long), ids[ids >= 0]])
 
 
 SCORINGS = ("representatives", "attention", "attention_for_questions")

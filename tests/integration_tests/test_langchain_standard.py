@@ -9,8 +9,6 @@ an earlier call's memory. The model override switches to SmolLM2-135M's local mo
 
 from __future__ import annotations
 
-import pytest
-import torch
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 
@@ -21,16 +19,6 @@ from .conftest import SMOL
 
 SMALL = dict(n_init=64, n_local=512, n_mem=512, chunk_size=256, max_block_size=64)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """The suite's calls are short prompts and a few dozen decoded tokens, i.e. small matrix-vector products.
-    Measured on this shared 2-core machine under load (load average 7): one answer took 42 s with 2 intra-op
-    threads and 3.7 s with 1, as threads spin waiting for each other. Answers are unchanged."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class TestChatEMLLMStandard(ChatModelIntegrationTests):

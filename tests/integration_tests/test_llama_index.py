@@ -417,7 +417,11 @@ def test_query_engine_over_32k_tokens_of_documents():
             # The memory was read once, by from_documents: each question reads only its own tokens.
             assert meta["new_input_tokens"] == meta["question_tokens"] == len(engine.question_ids(question))
             assert meta["prompt_tokens"] == engine.context_tokens + meta["question_tokens"]
-            assert chapter in [n.node.metadata["chapter"] for n in response.source_nodes]
+            # Retrieval brought the fact's chapter into attention (its retrieved share; source_nodes weigh the
+            # answer's attention, which SmolLM2 spreads over the sinks and the latest chapters: test_sources.py
+            # checks them on the default model).
+            by_id = {node.node_id: node.metadata["chapter"] for node in engine.nodes}
+            assert chapter in [by_id[d] for d in meta["retrieved_shares"]]
             # The fact's own tokens were in attention, retrieved by at least a third of the layers (the median
             # retrieved event is held by two or so).
             start, end = _token_span(model, format_context(chapters), fact)
