@@ -78,6 +78,7 @@ CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed", 
                 "response_format")
 
 _CALL_BLOCKS = ("tool_use", "tool_call", "function_call")
+_REASONING_BLOCKS = ("thinking", "redacted_thinking", "reasoning")
 _ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
 
 
@@ -425,6 +426,8 @@ def _text(message: BaseMessage) -> str:
             parts.append(block.get("text", ""))
         elif isinstance(block, dict) and block.get("type") in _CALL_BLOCKS and getattr(message, "tool_calls", None):
             continue  # a provider's copy of a call that message.tool_calls holds (and the template renders)
+        elif isinstance(block, dict) and block.get("type") in _REASONING_BLOCKS and isinstance(message, AIMessage):
+            continue  # an earlier answer's reasoning: chat templates of reasoning models drop it from the history
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise ValueError(f"ChatEMLLM reads text only, but a {message.type} message has a {kind!r} content block. "

@@ -53,6 +53,12 @@ class TestChatEMLLMStandard(ChatModelIntegrationTests):
         return True
 
     @property
+    def supports_anthropic_inputs(self) -> bool:
+        """Anthropic-format histories: text blocks, tool_use blocks beside tool_calls, thinking blocks (dropped
+        from earlier answers, as reasoning models' templates do); its image part runs only with image input."""
+        return True
+
+    @property
     def supported_usage_metadata_details(self) -> dict:
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 

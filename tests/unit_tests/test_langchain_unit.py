@@ -143,6 +143,11 @@ def test_tool_calls_and_results_become_engine_turns():
     assert turns[1] == {"role": "assistant", "content": "Adding.", "tool_calls": [
         {"type": "function", "id": "x", "function": {"name": "add", "arguments": {"a": 1}}}]}
     assert turns[2] == {"role": "tool", "content": "3", "tool_call_id": "x"}
+    thought = AIMessage([{"type": "thinking", "thinking": "A greeting.", "signature": "x"}, {"type": "text",
+                                                                                          "text": "Hello!"}])
+    assert to_engine_messages([thought]) == [{"role": "assistant", "content": "Hello!"}]
+    with pytest.raises(ValueError, match="thinking"):  # reasoning is dropped only from the model's own turns
+        to_engine_messages([HumanMessage([{"type": "thinking", "thinking": "x"}])])
     with pytest.raises(ValueError, match="tool_use"):  # a provider's call block without tool_calls is not text
         to_engine_messages([AIMessage([{"type": "tool_use", "id": "x", "name": "add", "input": {}}])])
 
