@@ -54,7 +54,7 @@ from langchain_core.messages.tool import tool_call_chunk
 from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import PydanticToolsParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -65,7 +65,7 @@ from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationR
 from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
 from emllm.engine import check_sampling
 from emllm.sessions import shared_pool
-from emllm.models import is_embedded_available, resolve_model_dir
+from emllm.models import check_model
 
 from .async_bridge import iterate_in_thread
 from .sampling import sampling_options
@@ -87,7 +87,14 @@ class ChatEMLLM(BaseChatModel):
     beyond its trained context and answers from them. See the module docstring for the design."""
 
     model_name: str | None = Field(default=None, alias="model")
-    """A known embedded model name or a local Hugging Face model directory; None = the embedded default."""
+    """An embedded model name, a local Hugging Face model directory or a hub id (``org/name``, from
+    huggingface_hub's cache, downloaded when the hub is reachable); None = the embedded default."""
+    revision: str | None = None
+    """A hub id's branch, tag or commit, as in transformers."""
+    token: SecretStr | None = None
+    """A hub token for private or gated models (else huggingface_hub's own: HF_TOKEN or a saved login)."""
+    loaded_engine: EMEngine | None = Field(default=None, alias="engine", exclude=True)
+    """An engine over a model already loaded (``engine=EMEngine(model, tokenizer)``) instead of ``model``."""
     preset: str = DEFAULT_PRESET
     """The engine preset: S, SM, SC, S+C, SM+C, F, FM, FC or full."""
     engine_fields: dict[str, Any] = Field(default_factory=dict)
@@ -137,7 +144,8 @@ class ChatEMLLM(BaseChatModel):
         if unknown:
             raise ValueError(
                 f"Unknown argument(s) {unknown} for ChatEMLLM. Engine fields: {', '.join(ENGINE_FIELDS)}. "
-                "Chat fields: model, preset, dtype, device, max_memories, temperature, max_tokens, top_p, top_k, "
+                "Chat fields: model, revision, token, engine, preset, dtype, device, max_memories, temperature, "
+                "max_tokens, top_p, top_k, "
                 "seed, stop, streaming (and LangChain's own, e.g. callbacks, tags, cache).")
         if flat:
             values["engine_fields"] = {**(values.get("engine_fields") or {}), **flat}
@@ -147,7 +155,10 @@ class ChatEMLLM(BaseChatModel):
     def _validate_eagerly(self) -> "ChatEMLLM":
         """Bad settings fail here, at construction, rather than minutes later inside the first call."""
         self.em_config()  # unknown preset or field, impossible layout -> emllm.ConfigError (a ValueError)
-        _check_model(self.model_name)
+        if self.loaded_engine is None:
+            check_model(self.model_name, revision=self.revision)  # nothing is loaded or downloaded to find out
+        elif self.model_name is None:
+            self.model_name = self.loaded_engine.model_name
         check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, length_name="max_tokens")
         if self.max_memories < 1:
             raise ValueError(f"max_memories must be at least 1, got {self.max_memories}.")
@@ -167,7 +178,8 @@ class ChatEMLLM(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         """Everything that changes the answer (also the key of LangChain's response cache)."""
-        return {"model_name": self._display_name(), "preset": self.preset, **self.engine_fields,
+        return {"model_name": self._display_name(), "revision": self.revision, "preset": self.preset,
+                **self.engine_fields,
                 "dtype": self.dtype, "device": self.device, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stop": self.stop}
@@ -185,8 +197,12 @@ class ChatEMLLM(BaseChatModel):
 
     # ------------------------------------------------------------------ engine and pool (loaded on first use)
     def engine(self, model: str | None = None) -> EMEngine:
-        """The process-wide engine of this model (loads the weights on the first call in the process)."""
-        return shared_engine(model or self.model_name, dtype=self.dtype, device=self.device, progress=False)
+        """The engine given, else the process-wide engine of this model (loaded on the first call in the process)."""
+        if self.loaded_engine is not None and model in (None, self.model_name):
+            return self.loaded_engine
+        token = self.token.get_secret_value() if self.token is not None else None
+        return shared_engine(model or self.model_name, dtype=self.dtype, device=self.device, revision=self.revision,
+                             token=token, progress=False)
 
     def pool(self, model: str | None = None) -> MemoryPool:
         """The MemoryPool shared by every instance with this model and these memory settings."""
@@ -194,6 +210,15 @@ class ChatEMLLM(BaseChatModel):
         if self.memory_path is not None and model in (None, self.model_name):
             _adopt_saved(pool, self.memory_path)
         return pool
+
+    def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
+              return_exceptions: bool = False, **kwargs: Any) -> list[BaseMessage]:
+        """LangChain's batch with every input in flight at once unless ``max_concurrency`` says otherwise (the
+        executor's default is the CPU count + 4): concurrent conversations decode their tokens in shared forwards
+        (emllm.batching), so more at once is faster, not slower. abatch runs them all at once already."""
+        if not isinstance(config, list) and "max_concurrency" not in (config or {}):
+            config = {**(config or {}), "max_concurrency": max(1, len(inputs))}
+        return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
 
     def save_memory(self, messages: Sequence[BaseMessage], path: str | Path) -> Path:
         """Save the memory of these messages (read now unless a call already did) to ``path``, atomically; start
@@ -228,8 +253,9 @@ class ChatEMLLM(BaseChatModel):
 
     @property
     def lc_secrets(self) -> dict[str, str]:
-        """The unused ``api_key`` is written as a reference to this variable, never as its value."""
-        return {"api_key": "EMLLM_API_KEY"}
+        """The unused ``api_key`` and the hub ``token`` are written as references to these variables, never as
+        their values."""
+        return {"api_key": "EMLLM_API_KEY", "token": "HF_TOKEN"}
 
     def _resolve_model_profile(self) -> ModelProfile | None:
         """What this model does, for code that picks models by capability. An episodic memory has no input limit
@@ -530,22 +556,3 @@ class _ReplyChunks:
                 self._calls += 1
             out.append(ChatGenerationChunk(message=message))
         return out
-
-
-def _check_model(model: str | None) -> None:
-    """A model must be a local HF directory or an installed embedded model; nothing is loaded to find out."""
-    if model is None:
-        return
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model={model!r} is a directory without a config.json, so not a Hugging Face model "
-                             "directory. Pass a model directory or an embedded model name.")
-        return
-    try:
-        available = is_embedded_available(model)
-    except ValueError as error:
-        raise ValueError(f"model={model!r} is neither an existing local model directory nor an embedded model. "
-                         f"{error}") from None
-    if not available:
-        resolve_model_dir(model)  # raises ModelNotAvailableError with the pip command that installs it

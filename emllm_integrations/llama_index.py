@@ -33,7 +33,8 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 
-from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, GenerationResult, MemoryPool, TextStream
+from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool, TextStream
+from emllm.models import check_model
 from emllm.persistence import read_metadata
 from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
 from emllm.sessions import shared_engine, shared_pool
@@ -98,7 +99,11 @@ class EMLLM(FunctionCallingLLM):
     ``FunctionAgent`` and ``structured_predict`` work, their calls decoded under a grammar of the tools'
     parameters (emllm.grammar), so arguments always parse."""
 
-    model: Optional[str] = Field(default=None, description="Embedded model name or local HF dir; None = default.")
+    model: Optional[str] = Field(default=None, description="Embedded model name, local HF dir or hub id (org/name); "
+                                                         "None = default.")
+    revision: Optional[str] = Field(default=None, description="A hub id's branch, tag or commit.")
+    token: Optional[str] = Field(default=None, exclude=True, repr=False,
+                                 description="Hub token for private or gated models (else HF_TOKEN or a login).")
     preset: str = Field(default=DEFAULT_PRESET, description="EM-LLM preset: S, SM, SC, S+C, SM+C, F, FM, FC or full.")
     temperature: float = Field(default=0.0, description="0 = greedy.")
     max_tokens: int = Field(default=256, description="Tokens to generate per call (LLMMetadata.num_output).")
@@ -113,19 +118,25 @@ class EMLLM(FunctionCallingLLM):
 
     _config: EMConfig = PrivateAttr()
     _pool: Optional[MemoryPool] = PrivateAttr(default=None)
+    _engine: Optional[EMEngine] = PrivateAttr(default=None)
 
     def __init__(self, model: str | None = None, preset: str = DEFAULT_PRESET, temperature: float = 0.0,
-                 max_tokens: int = 256, **kwargs: Any):
-        """Keywords that are fields of this LLM (top_p, dtype, system_prompt, callback_manager, ...) set them; any
-        other keyword is an EMConfig field (n_local=1024, ...). Nothing is loaded until the first call."""
+                 max_tokens: int = 256, *, engine: EMEngine | None = None, **kwargs: Any):
+        """Keywords that are fields of this LLM (top_p, dtype, revision, system_prompt, callback_manager, ...) set
+        them; any other keyword is an EMConfig field (n_local=1024, ...). Nothing is loaded until the first call.
+        ``engine=EMEngine(model, tokenizer)`` runs a model already loaded instead of ``model``."""
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in EMLLM.model_fields}
         fields = {**own.pop("engine_fields", {}), **kwargs}
         config = EMConfig.from_preset(preset, **fields)  # ConfigError names an unknown preset or field
         sampling_options(max_tokens, temperature, own.get("top_p", 1.0), own.get("top_k", 0), own.get("seed"),
                          own.get("stop"))
+        if engine is None:
+            check_model(model, revision=own.get("revision"))  # nothing is loaded or downloaded to find out
+        elif model is None:
+            model = engine.model_name
         super().__init__(model=None if model is None else str(model), preset=preset, temperature=temperature,
                          max_tokens=max_tokens, engine_fields=fields, **own)
-        self._config = config
+        self._config, self._engine = config, engine
 
     @classmethod
     def class_name(cls) -> str:
@@ -139,7 +150,8 @@ class EMLLM(FunctionCallingLLM):
     def pool(self) -> MemoryPool:
         """The shared MemoryPool (loads the model on first use)."""
         if self._pool is None:
-            engine = shared_engine(self.model, dtype=self.dtype, device=self.device, progress=self.progress)
+            engine = self._engine or shared_engine(self.model, dtype=self.dtype, device=self.device,
+                                                   revision=self.revision, token=self.token, progress=self.progress)
             self._pool = shared_pool(engine, self._config)
         return self._pool
 
@@ -430,9 +442,12 @@ class EMLLMQueryEngine(CustomQueryEngine):
                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                    seed: int | None = None, stop: Sequence[str] | None = None, streaming: bool = False,
                    progress: bool = False, dtype: Any = "auto", device: str | None = None,
+                   revision: str | None = None, token: str | None = None, engine: EMEngine | None = None,
                    metadata_mode: MetadataMode = MetadataMode.NONE, template: str = "chat",
                    **engine_fields: Any) -> "EMLLMQueryEngine":
-        """Read the nodes (in order) into a new episodic memory; ``engine_fields`` are EMConfig fields.
+        """Read the nodes (in order) into a new episodic memory; ``engine_fields`` are EMConfig fields. ``model`` is
+        as EMLLM's (a hub id with ``revision``/``token``), or ``engine=EMEngine(model, tokenizer)`` for a model
+        already loaded.
 
         Everything is validated before the model loads; then the reading takes a while (a few hundred tokens/s on
         a CPU; ``progress=True`` shows a bar)."""
@@ -440,7 +455,10 @@ class EMLLMQueryEngine(CustomQueryEngine):
         check_template(template)
         config = EMConfig.from_preset(preset, **engine_fields)
         sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
-        engine = shared_engine(model, dtype=dtype, device=device, progress=progress)
+        if engine is None:
+            check_model(model, revision=revision)
+            engine = shared_engine(model, dtype=dtype, device=device, revision=revision, token=token,
+                                   progress=progress)
         # Queries rarely extend each other, so few automatic checkpoints are kept; the documents stay pinned.
         pool = MemoryPool(engine, config, max_memories=2)
         document_ids, spans = tokenize_documents(engine, texts)
@@ -453,7 +471,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
             pool.close()
             raise
         return cls(pool=pool, context_ids=context_ids, nodes=list(nodes), spans=spans,
-                   model=str(model or DEFAULT_MODEL), streaming=streaming, max_tokens=max_tokens,
+                   model=str(model or engine.model_name), streaming=streaming, max_tokens=max_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                    stop=list(stop) if stop else None, progress=progress, template=template)
 
@@ -562,8 +580,9 @@ class EMLLMQueryEngine(CustomQueryEngine):
 
     @classmethod
     def from_memory(cls, path: str | os.PathLike, model: str | None = None, *, dtype: Any = "auto",
-                    device: str | None = None, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                    top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
+                    device: str | None = None, revision: str | None = None, token: str | None = None,
+                    engine: EMEngine | None = None, max_tokens: int = 256, temperature: float = 0.0,
+                    top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
                     streaming: bool = False, progress: bool = False) -> "EMLLMQueryEngine":
         """A query engine over documents saved by save(): the memory is loaded and verified, nothing is re-read."""
         documents = read_metadata(path).get("llama_index")
@@ -571,7 +590,10 @@ class EMLLMQueryEngine(CustomQueryEngine):
             raise ValueError(f"{path} is a saved episodic memory but not one saved by EMLLMQueryEngine.save(); "
                              "load it with EMEngine.load_memory instead.")
         sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
-        engine = shared_engine(model, dtype=dtype, device=device, progress=progress)
+        if engine is None:
+            check_model(model, revision=revision)
+            engine = shared_engine(model, dtype=dtype, device=device, revision=revision, token=token,
+                                   progress=progress)
         memory = engine.load_memory(path)
         if memory.total_tokens != documents["context_tokens"]:
             memory.close()
@@ -580,7 +602,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         pool = MemoryPool(engine, memory.config, max_memories=2)
         pool.adopt(memory)
         return cls(pool=pool, context_ids=list(memory.token_ids), nodes=[json_to_doc(d) for d in documents["nodes"]],
-                   spans=[tuple(span) for span in documents["spans"]], model=str(model or DEFAULT_MODEL),
+                   spans=[tuple(span) for span in documents["spans"]], model=str(model or engine.model_name),
                    streaming=streaming, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                    seed=seed, stop=list(stop) if stop else None, progress=progress,
                    template=documents.get("template", "text"))  # saves before the chat frame used the text one

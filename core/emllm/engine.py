@@ -28,8 +28,10 @@ from tqdm.auto import tqdm
 from . import attention, persistence
 from .config import DEFAULT_PRESET, EMConfig
 from .lossless import LosslessCheck
+from .batching import StepBatcher, row_block
 from .forward import layer_attention
 from .memory import EpisodicMemory, ModelShape, RetrievedEvent, because
+from .models import prepare_loaded
 from .grammar import Grammar, GrammarCompiler
 from .scoring import RetrievalPlan, uses_event_text
 from .tools import CALL_CLOSE, CALL_OPEN, plain_tool_messages, template_carries_tools
@@ -119,6 +121,7 @@ class TextStream:
 class EMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EMConfig | None = None, *,
                  model_name: str = "model"):
+        prepare_loaded(model, tokenizer)  # any loaded model: an unsupported family is refused here
         self.model, self.tokenizer = model, tokenizer
         self.config = config or EMConfig.from_preset(DEFAULT_PRESET)
         self.model_name = model_name
@@ -148,12 +151,17 @@ class EMEngine:
         self._controls: re.Pattern | None = None  # finds the tokenizer's control-token strings
         self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)  # llguidance, on first use
+        self.batcher = StepBatcher(self._step)  # concurrent generations decode their tokens in one forward
+        self._row_block: int | None | bool = False  # batching.row_block, probed at the first decoding step
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, preset: str | None = None, config: EMConfig | None = None,
                         dtype: torch.dtype | str = "auto", device: str | None = None,
-                        device_map: str | dict | None = None, progress: bool = True, **overrides: Any) -> "EMEngine":
-        """Load a model (None = the embedded default) and give it an episodic memory.
+                        device_map: str | dict | None = None, revision: str | None = None,
+                        token: str | bool | None = None, progress: bool = True, **overrides: Any) -> "EMEngine":
+        """Load a model and give it an episodic memory: None = the embedded default, an embedded name, a local
+        directory, or a hub id (huggingface_hub's cache; ``revision`` and ``token`` as in transformers). A model
+        already loaded goes straight to ``EMEngine(model, tokenizer, config)``.
 
         ``preset`` is one of S, SM, SC, S+C, SM+C, F, FM, FC, full; any EMConfig field can be overridden by name.
         """
@@ -163,7 +171,8 @@ class EMEngine:
             config = EMConfig.from_preset(preset or DEFAULT_PRESET, **overrides)
         elif overrides:
             config = config.replace(**overrides)
-        hf_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map, progress=progress)
+        hf_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map, revision=revision,
+                                         token=token, progress=progress)
         return cls(hf_model, tokenizer, config, model_name=str(model or DEFAULT_MODEL))
 
     # ------------------------------------------------------------------ memories
@@ -480,25 +489,53 @@ class EMEngine:
 
     def _forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool,
                  answering: bool = False) -> torch.Tensor:
-        memory.begin_forward(RetrievalPlan(retrieve=retrieve, answering=answering,
-                                           text_scores=memory.text_scores() if answering and retrieve else None))
+        """Read ids [q] into the memory; returns the logits [q or 1, vocab]."""
+        plan = RetrievalPlan(retrieve=retrieve, answering=answering,
+                             text_scores=memory.text_scores() if answering and retrieve else None)
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
-        keep = 0 if memory.track_surprise else 1
+        return self._forward_rows([memory], ids[None], [plan], keep=0 if memory.track_surprise else 1)[0]
+
+    def _step(self, memories: list[EpisodicMemory], tokens: list[int]) -> None:
+        """One decoding step of one or more conversations as one forward (the StepBatcher calls it): each token is
+        fed to its own memory, whose last_logits then predict the next. The weights are read once for all rows,
+        padded to the row block so each row's result does not depend on the batch (emllm.batching)."""
+        if self._row_block is False:
+            self._row_block = row_block(self.model)
+            self.batcher.max_rows = 1 if self._row_block is None else self.batcher.max_rows
+        if self._row_block is None and len(memories) > 1:  # no batch-invariant row count: one forward each
+            for memory, token in zip(memories, tokens):
+                self._step([memory], [token])
+            return
+        block = self._row_block or 1
+        padding = -len(memories) % block
+        plans = [RetrievalPlan(retrieve=True, answering=True, text_scores=memory.text_scores()) for memory in memories]
+        self._forward_rows(memories + [None] * padding, torch.tensor(tokens + tokens[:1] * padding)[:, None],
+                           plans, keep=1)
+
+    def _forward_rows(self, memories: list[EpisodicMemory], ids: torch.Tensor, plans: list[RetrievalPlan],
+                      keep: int) -> torch.Tensor:
+        """ids [rows, q], row i read into memories[i] under plans[i] (a None memory is a padding row: it attends to
+        nothing and its logits are dropped); returns the logits [rows, q or keep, vocab]."""
+        real = [memory for memory in memories if memory is not None]
+        for memory, plan in zip(real, plans):
+            memory.begin_forward(plan)
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=ids[None].to(self.input_device), emllm_memory=memory, use_cache=False,
-                                 logits_to_keep=keep)
-                logits = out.logits[0]  # [q or 1, vocab]
-                memory.observe(ids, logits)
-                if memory.evict():
-                    memory.embed_events()  # each event's text is embedded once, when it leaves the window
+                out = self.model(input_ids=ids.to(self.input_device), use_cache=False, logits_to_keep=keep,
+                                 emllm_memory=memories if len(memories) > 1 else memories[0])
+                for row, memory in enumerate(real):  # real rows come first
+                    memory.observe(ids[row], out.logits[row])
+                    if memory.evict():
+                        memory.embed_events()  # each event's text is embedded once, when it leaves the window
         except BaseException as error:
             # The layers may have taken the chunk's keys and some of its events, the rest not: such a memory would
             # answer from a state no input produces, so it is closed rather than left half-updated.
-            memory.close(f"a forward pass failed part-way with {type(error).__name__}: {error}")
+            shared = f" (one forward with {len(real) - 1} other conversations)" if len(real) > 1 else ""
+            for memory in real:
+                memory.close(f"a forward pass{shared} failed part-way with {type(error).__name__}: {error}")
             raise
-        return logits
+        return out.logits
 
     # ------------------------------------------------------------------ generating
     def stream(self, prompt: Prompt, *, memory: EpisodicMemory | None = None, max_new_tokens: int = 256,
@@ -557,43 +594,44 @@ class EMEngine:
             generated: list[int] = []
             emitted, text, finish = "", "", "length"
             started = time.perf_counter()
-            for step in range(decoding.max_new_tokens):
-                logits = memory.last_logits
-                if constraint is not None:
-                    logits = constraint.mask(logits)
-                if not decoding.allow_empty and not text.strip():
-                    logits = logits.clone()
-                    logits[sorted(self.eos_ids)] = float("-inf")
-                token = sample_token(logits, decoding.temperature, decoding.top_p, decoding.top_k, generator)
-                if token in self.eos_ids:
-                    finish = "stop"
+            with self.batcher.decoding():  # concurrent generations' steps wait briefly for this one's
+                for step in range(decoding.max_new_tokens):
+                    logits = memory.last_logits
+                    if constraint is not None:
+                        logits = constraint.mask(logits)
+                    if not decoding.allow_empty and not text.strip():
+                        logits = logits.clone()
+                        logits[sorted(self.eos_ids)] = float("-inf")
+                    token = sample_token(logits, decoding.temperature, decoding.top_p, decoding.top_k, generator)
+                    if token in self.eos_ids:
+                        finish = "stop"
+                        generated.append(token)
+                        break
+                    if constraint is not None:
+                        constraint.advance(token)
                     generated.append(token)
-                    break
-                if constraint is not None:
-                    constraint.advance(token)
-                generated.append(token)
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                cut = _find_stop(text, stop, len(emitted))
-                if cut is not None:
-                    if cut > len(emitted):
-                        yield text[len(emitted):cut]
-                    emitted, finish = text[:cut], "stop"
-                    break
-                done = constraint is not None and constraint.finished
-                safe = len(text) if done else _safe_length(text, stop)
-                if safe > len(emitted):
-                    yield text[len(emitted):safe]
-                    emitted = text[:safe]
-                if done:  # the grammar is complete and allows nothing more
-                    finish = "stop"
-                    break
-                if step + 1 < decoding.max_new_tokens:
-                    self._forward(memory, torch.tensor([token]), retrieve=True, answering=True)
-            else:
-                text = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if len(text) > len(emitted):
-                    yield text[len(emitted):]
-                emitted = text
+                    text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                    cut = _find_stop(text, stop, len(emitted))
+                    if cut is not None:
+                        if cut > len(emitted):
+                            yield text[len(emitted):cut]
+                        emitted, finish = text[:cut], "stop"
+                        break
+                    done = constraint is not None and constraint.finished
+                    safe = len(text) if done else _safe_length(text, stop)
+                    if safe > len(emitted):
+                        yield text[len(emitted):safe]
+                        emitted = text[:safe]
+                    if done:  # the grammar is complete and allows nothing more
+                        finish = "stop"
+                        break
+                    if step + 1 < decoding.max_new_tokens:
+                        self.batcher.step(memory, token)
+                else:
+                    text = self.tokenizer.decode(generated, skip_special_tokens=True)
+                    if len(text) > len(emitted):
+                        yield text[len(emitted):]
+                    emitted = text
             holder["result"] = GenerationResult(
                 text=emitted, finish_reason=finish, input_tokens=len(ids), output_tokens=len(generated),
                 new_input_tokens=len(ids) - seen, prefill_seconds=prefill,

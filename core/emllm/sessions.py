@@ -32,20 +32,23 @@ _ENGINES_LOCK = threading.Lock()
 
 
 def shared_engine(model: str | None = None, *, dtype: torch.dtype | str = "auto", device: str | None = None,
-                  device_map: str | dict | None = None, progress: bool = True) -> EMEngine:
+                  device_map: str | dict | None = None, revision: str | None = None, token: str | bool | None = None,
+                  progress: bool = True) -> EMEngine:
     """The one EMEngine for this model, dtype and placement in this process (loaded on first use).
 
     The engine's own config is only a default: each MemoryPool (or memory) brings its own, so callers with
-    different presets share the weights.
+    different presets share the weights. A hub id is keyed by its snapshot folder, so two revisions are two engines.
     """
-    from .models import resolve_model_dir
+    from .models import DEFAULT_MODEL, resolve_model_dir
 
-    key = (str(resolve_model_dir(model, progress=progress)), str(dtype), str(device), repr(device_map))
+    folder = resolve_model_dir(model, revision=revision, token=token, progress=progress)
+    key = (str(folder), str(dtype), str(device), repr(device_map))
     with _ENGINES_LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
             engine = EMEngine.from_pretrained(key[0], dtype=dtype, device=device, device_map=device_map,
                                               progress=progress)
+            engine.model_name = str(model or DEFAULT_MODEL)  # the name asked for, not the folder it resolved to
             _ENGINES[key] = engine
         return engine
 

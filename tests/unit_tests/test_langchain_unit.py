@@ -77,7 +77,7 @@ def test_engine_fields_by_name_reach_the_memory_config():
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-1), "top_k must be an integer >= 0"),
     (dict(max_memories=0), "max_memories must be at least 1"),
-    (dict(model="no-such-model"), "neither an existing local model directory nor an embedded model"),
+    (dict(model="no-such-model"), "neither an existing local model directory, a hub id .org.name. nor an embedded"),
 ])
 def test_bad_settings_fail_at_construction_with_the_problem_named(bad, message):
     with pytest.raises(ValueError, match=message):

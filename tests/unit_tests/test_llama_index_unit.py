@@ -1,12 +1,14 @@
 """EMLLM and EMLLMQueryEngine without model weights: settings, validation, message and document handling, the
 document-to-token-span bookkeeping, source scoring and the thread-to-event-loop streaming. Every test here would
-load a model if the code under test tried to (the model is a path that does not exist), so "fails before loading"
-is checked for real, and ``loaded_engines()`` confirms no weights were read."""
+load a model if the code under test tried to (the model is a directory with a config.json and no weights, so
+loading it fails), so "fails before loading" is checked for real, and ``loaded_engines()`` confirms no weights were
+read."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import tempfile
 import threading
 
 import pytest
@@ -20,7 +22,17 @@ from emllm_integrations.llama_index import (DEFAULT_CONTEXT_WINDOW, EMLLM, EMLLM
                                             node_texts, to_engine_messages)
 from emllm_integrations.sources import document_shares, spans_from_offsets
 
-MISSING = "/nonexistent/emllm-test-model"  # loading this would raise "Unknown model"
+def _config_only_model() -> str:
+    """A model directory that passes every construction-time check but has no weights: loading it raises OSError."""
+    from transformers import LlamaConfig
+
+    folder = tempfile.mkdtemp(prefix="emllm-no-weights-")
+    LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(folder)
+    return folder
+
+
+MISSING = _config_only_model()
 PNG = base64.b64encode(bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                                      "1f15c4890000000d49444154789c6360000002000100e221bc330000000049454e44ae426082"))
 
@@ -31,8 +43,15 @@ def test_constructing_loads_no_weights_and_first_call_does():
     llm = EMLLM(model=MISSING, preset="S", max_tokens=32, n_local=1024)
     assert llm.metadata.num_output == 32  # metadata of an episodic preset needs no weights either
     assert loaded_engines() == before
-    with pytest.raises(ValueError, match="Unknown model"):
+    with pytest.raises(OSError, match="safetensors|weights|model"):
         llm.complete("hello")
+
+
+def test_a_model_that_cannot_load_fails_at_construction():
+    with pytest.raises(ValueError, match="neither an existing local model directory, a hub id"):
+        EMLLM(model="/nonexistent/emllm-test-model")
+    with pytest.raises(ValueError, match="neither an existing local model directory, a hub id"):
+        EMLLMQueryEngine.from_documents([Document(text="Some text.")], model="no-such-model")
 
 
 def test_metadata_is_honest():
@@ -90,7 +109,7 @@ async def test_async_calls_check_keywords_before_starting():
         await llm.acomplete("hi", foo=1)
     with pytest.raises(TypeError, match="unknown keyword"):
         await llm.astream_chat(messages, foo=1)
-    with pytest.raises(ValueError, match="Unknown model"):  # the work itself runs (and fails) in the thread
+    with pytest.raises(OSError):  # the work itself runs (and fails to load the weights) in the thread
         gen = await llm.astream_chat(messages)
         async for _ in gen:
             pass

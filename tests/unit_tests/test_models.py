@@ -54,9 +54,14 @@ def test_unknown_name_lists_embedded_models(tmp_path):
     assert not any(tmp_path.iterdir()), "an unknown name must not touch the cache"
 
 
-def test_hub_id_that_is_not_embedded_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="nothing is downloaded"):
+def test_hub_id_neither_cached_nor_reachable_says_how_to_get_it(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelNotAvailableError, match=r"not in the Hugging Face cache .*hf download meta-llama"):
         resolve_model_dir("meta-llama/Llama-3.1-8B-Instruct", cache_dir=tmp_path)
+    with pytest.raises(ModelNotAvailableError, match="HF_HUB_OFFLINE is set"):
+        models.check_model("meta-llama/Llama-3.1-8B-Instruct", cache_dir=tmp_path)
 
 
 def test_directory_without_config_is_refused(tmp_path):

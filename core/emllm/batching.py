@@ -1,0 +1,152 @@
+"""Many conversations decoding at once: concurrent generations' next-token steps run as one forward.
+
+Decoding a token reads every weight of the model for one row of activations; on a CPU (and on a GPU at small batch)
+that read, not the arithmetic, is the cost, so eight rows cost little more than one. Each conversation keeps its own
+EpisodicMemory: the forward's attention runs row by row against each row's memory (forward.layer_attention), while
+the projections, MLPs and LM head see all rows at once.
+
+The same tokens alone or together: matmul kernels choose their blocking by the number of rows, so a row's result
+can change with the batch it is in (greedy answers of 3 of 8 conversations changed when they shared forwards).
+``row_block`` finds, once per model, the row multiple at which every linear layer gives each row the result it
+gets in a batch of ``MAX_ROWS``; every decoding forward, a lone conversation's included, is padded to a multiple of
+it (padding rows attend to nothing and cost little: reading the weights, not the rows, is the cost). Where no such
+multiple exists, each conversation decodes in its own forward.
+
+Who gets batched: every generation of one engine in its decoding loop, whichever thread runs it (MemoryPool callers,
+LangChain's batch/abatch, a web server's request threads). A thread that wants a step queues it; the first thread
+free to run takes every queued step and runs them together, as a group commit does, so no scheduler thread exists
+and a lone generation runs its steps at once. Answers do not depend on who shares a step: each row's computation is
+its own (greedy decoding gives the tokens one-at-a-time decoding gives; tests/integration_tests/test_batching.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAX_ROWS = 8
+"""Most conversations one forward decodes; more wait for the next forward. Eight rows of a 0.5B model still cost
+about what one costs on a CPU; the row-floor probe is checked for every count up to this one."""
+
+GATHER_SECONDS = 0.05
+"""How long a step waits for other decoding generations to queue theirs before running without them: long enough
+for eight threads to sample and detokenize their last token (a few ms each, one at a time under the GIL), short
+next to a step (100-500 ms on a CPU)."""
+
+
+@dataclass
+class _Step:
+    memory: Any
+    token: int
+    queued: float = field(default_factory=time.perf_counter)
+    done: bool = False
+    error: BaseException | None = None
+
+
+class StepBatcher:
+    """Runs the queued decoding steps of concurrent generations together through ``run(memories, tokens)``."""
+
+    def __init__(self, run: Callable[[list[Any], list[int]], None], max_rows: int = MAX_ROWS,
+                 gather_seconds: float = GATHER_SECONDS):
+        self._run = run
+        self._gather = gather_seconds
+        self._cond = threading.Condition()
+        self._pending: list[_Step] = []
+        self._decoding = 0      # generations inside decoding(): the steps a batch waits for
+        self._running = False
+        self._last_end = 0.0
+        self.max_rows = max_rows
+        self.batch_sizes: list[int] = []  # rows of each forward run, for benchmarks (kept short)
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Marks a generation as decoding, so steps run while it is inside wait (a little) for its next step."""
+        with self._cond:
+            self._decoding += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._decoding -= 1
+                self._cond.notify_all()
+
+    def step(self, memory: Any, token: int) -> None:
+        """Feed ``token`` to ``memory`` (its logits land in memory.last_logits), with whatever steps other threads
+        have queued; returns once this step has run, raising what the forward raised."""
+        mine = _Step(memory, token)
+        with self._cond:
+            self._pending.append(mine)
+            self._cond.notify_all()
+            while not mine.done:
+                wait = self._wait_before_running()
+                if wait is None:
+                    self._run_pending()
+                else:
+                    self._cond.wait(timeout=wait)
+        if mine.error is not None:
+            raise mine.error
+
+    def _wait_before_running(self) -> float | None:
+        """None: run the queue now; else seconds to wait (a batch is running, or others may still queue)."""
+        if self._running or not self._pending:
+            return 1.0  # woken when the running batch ends
+        # Counted from the last batch's end too: steps queued while a batch ran must wait for that batch's rows to
+        # sample their next token, or the two groups would alternate for ever, each half the size it could be.
+        waited = time.perf_counter() - max(self._pending[0].queued, self._last_end)
+        if len(self._pending) >= min(self._decoding, self.max_rows) or waited >= self._gather:
+            return None
+        return self._gather - waited
+
+    def _run_pending(self) -> None:
+        """Run every queued step as one batch, outside the lock (other threads queue meanwhile); called locked."""
+        batch, self._pending = self._pending[:self.max_rows], self._pending[self.max_rows:]
+        self._running = True
+        self._cond.release()
+        error: BaseException | None = None
+        try:
+            self._run([s.memory for s in batch], [s.token for s in batch])
+        except BaseException as raised:  # every row of a failed forward fails, each in its own thread
+            error = raised
+        finally:
+            self._cond.acquire()
+            self._running, self._last_end = False, time.perf_counter()
+            self.batch_sizes = (self.batch_sizes + [len(batch)])[-4096:]
+            for queued in batch:
+                queued.done, queued.error = True, error
+            self._cond.notify_all()
+
+
+def row_block(model: torch.nn.Module, most: int = MAX_ROWS) -> int | None:
+    """The row multiple from which the model's linear layers give every row the same result whatever the batch:
+    decoding forwards padded to a multiple of it (up to ``most`` rows) give a row what it would get alone. None
+    where no such multiple exists up to ``most``.
+
+    Probed once with random inputs of each layer's own shape, dtype and device, in inference mode as decoding runs
+    them (the kernel is chosen by shape, not values; one decoder layer stands for all). Measured on this project's
+    CPU: float32 computes rows in blocks of 4 (a batch of 4 or 8 agrees with itself, 5 does not), bfloat16 agrees
+    from 2 rows on. One row in 16-bit weights is never trusted: a single row takes a matrix-vector kernel whose
+    rounding differs from the matrix kernels' only near a bf16 rounding boundary (1 element in 896 on a real
+    activation, none in the probe's random ones), so a probe cannot see it, yet it changed greedy answers."""
+    linears = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    linears.append(model.get_output_embeddings())
+    low_precision = linears[-1].weight.element_size() < 4
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        probes = []
+        for linear in linears:
+            weight = linear.weight
+            x = torch.randn(most, 1, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+            probes.append((linear, x, linear(x)))                             # full: [most, 1, out]
+        for block in (1, 2, 4, 8):
+            if block > most or (block == 1 and low_precision):
+                continue
+            if all(torch.equal(linear(x[:rows]), full[:rows])
+                   for linear, x, full in probes for rows in range(block, most, block)):
+                return block
+    return None

@@ -1,0 +1,112 @@
+"""Many conversations decoding at once (emllm.batching) on the tiny random model: concurrent generations share
+forwards, each keeps its own memory, and every conversation gets exactly the tokens it gets alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from emllm.batching import StepBatcher, row_block
+
+from .tiny import tiny_engine, tiny_model, token_ids
+
+
+def _memories(engine, lengths):
+    """One memory per length, each having read its own random text (past the window: events are retrieved)."""
+    prompts, memories = [], []
+    for i, n in enumerate(lengths):
+        ids = token_ids(n, seed=10 + i)
+        memory = engine.new_memory()
+        engine.read(memory, ids)
+        prompts.append(ids)
+        memories.append(memory)
+    return prompts, memories
+
+
+def _together(engine, prompts, memories, new_tokens):
+    """Each prompt generated in its own thread, all at once; the tokens and any error per thread."""
+    out, errors = [None] * len(prompts), [None] * len(prompts)
+    barrier = threading.Barrier(len(prompts))
+
+    def answer(i):
+        barrier.wait()
+        try:
+            out[i] = engine.generate(prompts[i], memory=memories[i], max_new_tokens=new_tokens).token_ids
+        except BaseException as error:  # reported by the test
+            errors[i] = error
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out, errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conversations_decoding_together_get_the_tokens_they_get_alone(dtype):
+    engine = tiny_engine("S", dtype=dtype)
+    prompts, memories = _memories(engine, (120, 200, 333))  # three memories of different lengths
+    alone = [engine.generate(p, memory=m.fork(), max_new_tokens=24).token_ids for p, m in zip(prompts, memories)]
+    engine.batcher.batch_sizes = []
+    together, errors = _together(engine, prompts, [m.fork() for m in memories], 24)
+    assert errors == [None] * 3
+    assert together == alone
+    assert all(len(tokens) == 24 for tokens in alone)  # the tiny model never ends early: every step was shared
+    if engine._row_block is None:
+        pytest.skip("this CPU's matmul kernels give no batch-invariant row count: conversations decode one per "
+                    "forward (checked above to give the same tokens)")
+    assert max(engine.batcher.batch_sizes) > 1  # steps really shared forwards
+
+
+def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_memories():
+    engine = tiny_engine("S")
+    prompts, memories = _memories(engine, (100, 150))
+    forks = [m.fork() for m in memories]
+
+    def broken(memories, tokens):  # the real step, fed a token past the vocabulary: the embedding fails mid-forward
+        engine._step(memories, [10**6] * len(tokens))
+
+    engine.batcher = StepBatcher(broken)
+    _, errors = _together(engine, prompts, forks, 8)
+    assert all(isinstance(e, IndexError) for e in errors), errors
+    assert all(m.closed and "failed part-way" in m.closed_reason for m in forks)
+    assert not any(m.closed for m in memories)  # the memories they were forked from are untouched
+
+
+def test_a_lone_step_runs_at_once_and_big_crowds_wait_for_the_next_forward():
+    ran: list[list[int]] = []
+    batcher = StepBatcher(lambda memories, tokens: ran.append(list(tokens)), max_rows=2)
+    batcher.step(object(), 5)  # nobody else decoding: no wait for company
+    assert ran == [[5]]
+    ran.clear()
+    barrier = threading.Barrier(5)
+
+    def step(token):
+        with batcher.decoding():
+            barrier.wait()
+            batcher.step(object(), token)
+
+    threads = [threading.Thread(target=step, args=(t,)) for t in range(5)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(t for batch in ran for t in batch) == [0, 1, 2, 3, 4]
+    assert max(map(len, ran)) == 2  # never more rows than max_rows
+
+
+def test_the_row_block_makes_every_row_what_a_full_batch_gives_it():
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(dtype)
+        block = row_block(model)
+        if block is None:
+            continue
+        head = model.get_output_embeddings()
+        x = torch.randn(8, 1, head.in_features).to(dtype)
+        with torch.inference_mode():
+            full = head(x)
+            assert all(torch.equal(head(x[:rows]), full[:rows]) for rows in range(block, 8, block))
+        assert block >= 2 or dtype == torch.float32  # one row of 16-bit weights is never trusted
