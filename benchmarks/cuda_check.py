@@ -6,6 +6,7 @@ GPU; speed and exactness do not need trained ones).
     PYTHONUNBUFFERED=1 PYTHONPATH=core:. python benchmarks/cuda_check.py --out h100.json [--budget 45] \
         [--embedder-files DIR] [--deadline 400]
     PYTHONPATH=core:. python benchmarks/cuda_check.py --small --out /tmp/small.json   # the script itself, on CPU
+    PYTHONPATH=core:. python benchmarks/cuda_check.py --batching --out batching.json   # 6. only, below
 
 Each section prints one JSON line as it finishes and the report is rewritten after each, so a run stopped at its
 limit keeps what it measured.
@@ -25,6 +26,7 @@ limit keeps what it measured.
    eviction into pages on the device); then 16 tokens are decoded (answering forwards; E ranks by a 16-token
    question). A run stops after ``--budget`` seconds of reading and reports how far it got; runs that would pass
    ``--deadline`` are skipped, so the whole check fits a lease.
+6. Batching (``--batching``, alone): eight conversations decoding at once (emllm.batching) against one at a time.
 E embeds each event's text with all-MiniLM-L6-v2, whose weights do not travel: ``--embedder-files`` names a folder
 with its config and tokenizer files (all but model.safetensors), and a MiniLM of that shape with random weights is
 built from it (the same compute; the ranking is meaningless, which speed does not need). Without it E is skipped.
@@ -412,6 +414,53 @@ def smoke(device: str) -> dict:
     return result
 
 
+def batching_check(device: str, conversations: int = 8, tokens: int = 6144, new: int = 32) -> dict:
+    """Many conversations at once (emllm.batching) on the device: a Llama-3.1-8B-shaped bf16 model, preset S, each
+    conversation its own random text past the window; decoded one at a time, then all in threads at once. The row
+    block the probe found, whether every conversation got the same tokens both ways, and aggregate tokens/s."""
+    import threading
+
+    from emllm import EMConfig, EMEngine
+
+    model = build(LLAMA_8B, torch.bfloat16, device, "eager")
+    engine = EMEngine(model, word_tokenizer(LLAMA_8B["vocab_size"]), EMConfig.from_preset("S"))
+    gen = torch.Generator().manual_seed(1)
+    prompts, memories = [], []
+    for _ in range(conversations):
+        ids = torch.randint(3, LLAMA_8B["vocab_size"], (tokens,), generator=gen).tolist()
+        memory = engine.new_memory()
+        engine.read(memory, ids)
+        prompts.append(ids)
+        memories.append(memory)
+    sync(device)
+    alone, seconds = [], 0.0
+    for ids, memory in zip(prompts, memories):
+        started = time.perf_counter()
+        alone.append(engine.generate(ids, memory=memory.fork(), max_new_tokens=new).token_ids)
+        sync(device)
+        seconds += time.perf_counter() - started
+    together: list = [None] * conversations
+    forks = [memory.fork() for memory in memories]
+    engine.batcher.batch_sizes = []
+
+    def answer(i: int) -> None:
+        together[i] = engine.generate(prompts[i], memory=forks[i], max_new_tokens=new).token_ids
+
+    threads = [threading.Thread(target=answer, args=(i,)) for i in range(conversations)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sync(device)
+    wall = time.perf_counter() - started
+    sizes = engine.batcher.batch_sizes
+    one, all_ = sum(map(len, alone)) / seconds, sum(len(t or []) for t in together) / wall
+    return {"conversations": conversations, "tokens": tokens, "new_tokens": new, "row_block": engine._row_block,
+            "same_tokens": sum(a == b for a, b in zip(alone, together)), "one_at_a_time_tokens_per_s": one,
+            "together_tokens_per_s": all_, "ratio": all_ / one, "mean_rows": sum(sizes) / max(1, len(sizes))}
+
+
 def default_embedder_files() -> str | None:
     """The installed all-MiniLM-L6-v2 package's folder, whose config and tokenizer files E's stand-in is built from."""
     try:
@@ -434,6 +483,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="a tiny shape, to check the script on a CPU")
     parser.add_argument("--smoke", action="store_true", help="only check that the engine runs here (seconds)")
+    parser.add_argument("--batching", action="store_true", help="only the many-conversations check")
     args = parser.parse_args()
     begun = time.perf_counter()
     if args.small:
@@ -447,6 +497,12 @@ def main() -> int:
     report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                     "transformers": transformers.__version__, "argv": sys.argv[1:], "runs": []}
 
+    if args.batching:
+        report["batching"] = batching_check(args.device, tokens=512 if args.small else 6144)
+        print(json.dumps(report), flush=True)
+        with open(args.out, "w") as handle:
+            json.dump(report, handle, indent=1)
+        return 0
     if args.smoke:
         report["smoke"] = smoke(args.device)
         print(json.dumps(report), flush=True)

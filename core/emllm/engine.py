@@ -600,8 +600,9 @@ class EMEngine:
                     if constraint is not None:
                         logits = constraint.mask(logits)
                     if not decoding.allow_empty and not text.strip():
-                        logits = logits.clone()
-                        logits[sorted(self.eos_ids)] = float("-inf")
+                        held = logits.clone()
+                        held[sorted(self.eos_ids)] = float("-inf")
+                        logits = held if torch.isfinite(held).any() else logits  # a grammar may allow only the end
                     token = sample_token(logits, decoding.temperature, decoding.top_p, decoding.top_k, generator)
                     if token in self.eos_ids:
                         finish = "stop"

@@ -412,3 +412,15 @@ def test_a_default_layout_the_model_cannot_hold_is_refused_when_used_not_when_lo
     engine.new_memory(EMConfig.from_preset("E", **TINY)).close()
     with pytest.raises(ConfigError, match="n_local"):
         EMEngine(tiny_model(), tiny_tokenizer(), EMConfig.from_preset("E"))
+
+
+def test_allow_empty_false_keeps_the_end_away_until_something_visible_is_written():
+    from .tiny import tiny_engine
+
+    engine = tiny_engine("S")
+    prompt = " ".join(f"t{i % 90 + 3}" for i in range(40))
+    first = engine.generate(prompt, max_new_tokens=4).token_ids[0]
+    engine.eos_ids = {first}  # the greedy first token now ends the turn
+    assert engine.generate(prompt, max_new_tokens=4).text == ""
+    kept = engine.generate(prompt, max_new_tokens=4, allow_empty=False)
+    assert kept.text.strip() and kept.token_ids[0] != first
