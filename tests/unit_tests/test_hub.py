@@ -101,3 +101,22 @@ def test_an_already_loaded_model_and_tokenizer_make_an_engine(tmp_path):
     assert engine.generate(" ".join(["t5"] * 50), max_new_tokens=3).output_tokens == 3
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         EMEngine(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2)), tiny_tokenizer())
+
+
+def test_the_adapters_run_an_engine_made_from_a_loaded_model():
+    from langchain_core.messages import HumanMessage
+
+    from emllm.sessions import loaded_engines
+    from emllm_integrations.langchain import ChatEMLLM
+    from emllm_integrations.llama_index import EMLLM
+
+    from .tiny import tiny_engine
+
+    engine, before = tiny_engine("S"), loaded_engines()
+    chat = ChatEMLLM(engine=engine, preset="S", max_tokens=3, **TINY)
+    assert chat.engine() is engine and chat.model_name == engine.model_name
+    assert chat.invoke([HumanMessage(" ".join(["t7"] * 30))]).response_metadata["finish_reason"] in ("stop", "length")
+    llm = EMLLM(engine=engine, preset="S", max_tokens=3, **TINY)
+    assert llm.pool.engine is engine and llm.metadata.model_name == engine.model_name
+    assert llm.complete(" ".join(["t9"] * 30)).raw is not None
+    assert loaded_engines() == before  # nothing was loaded by name
