@@ -2,7 +2,7 @@
 
 Measured on the 2-core machine: two one-thread processes forward SmolLM2 at 840 tokens/s together, one two-thread
 process at 630, so each worker gets an equal share of the cores. Modules stay whole on one worker because their
-module fixtures read long documents once; the passkey demonstration's 32K runs are independent, so they spread.
+module fixtures read long documents once; the passkey demonstration's 16K runs are independent, so they spread.
 Work starts longest first (the `slow(seconds=...)` estimates), so no worker is left with a long tail.
 
 The grouping is a scheduler of our own (`pytest_xdist_make_scheduler`): xdist's `loadgroup` marks do not work with

@@ -1,18 +1,15 @@
 """What a new user tries first, on the default model and the default preset: a document of real prose (Paul Graham's
-essays, over 16K tokens) holding ten facts about people, each asked in other words than the fact uses, through the
-three surfaces people use: a LangChain LCEL chain with ChatEMLLM(), LlamaIndex's EMLLMQueryEngine, and compare()
-(EM-LLM against RAG).
+essays, 8K tokens: 3.7 times the default window of 2,176, so most of it is evicted into events and retrieved) holding
+ten facts about people, each asked in other words than the fact uses, through compare() (EM-LLM against RAG on the
+same LLM); the LCEL chain and the query engine give compare's answers word for word
+(test_default_model_surfaces.py).
 
 What is asserted, and why a rate: Qwen2.5-Coder-0.5B does not answer every such fact even with the whole document
 in view. On the bench's 20-fact cell at 16K (benchmarks/RESULTS.md) plain full attention answered 12/20 [39-78%],
-the default E 14/20 [48-85%], RAG 9/20; on a 3-fact document of this kind full attention answered 1 of 3, E 2 of 3.
-On this document (10 facts) compare's EM-LLM answered 5, RAG 2, and the LCEL chain and the query engine gave
-compare's answers word for word. So compare's EM-LLM must answer at least 4 of the 10 (one of slack for other
-CPUs' arithmetic, e.g. float32 where bf16 is emulated) and at least as many as RAG on the same LLM; the LCEL chain
-and the query engine must answer alike (test_default_model_surfaces.py, on a 6K-token document of the same kind). How the default does past the model's window, and on more questions, is the benchmark's job
-(benchmarks/RESULTS.md), not the suite's.
-
-Each surface reads the document once (about 16K tokens: 2-4 minutes on one core), then only each question."""
+the default E 14/20 [48-85%], RAG 9/20. On this document (10 facts) compare's EM-LLM answered 7 and RAG 3 (and on
+its 16K-token version, which the suite read until its time had to come down, 5 and 2). So EM-LLM must answer at
+least 4 of the 10 (slack for other CPUs' arithmetic, e.g. float32 where bf16 is emulated) and at least as many as
+RAG; how the default does at more lengths and questions is the benchmark's job, not the suite's."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ import pytest
 from emllm import DEFAULT_MODEL
 from emllm_integrations.bench.ruler import family_document, score
 
-TOKENS = 16_100
+TOKENS = 8_100
 FACTS = 10
 AT_LEAST = 4
 
@@ -33,7 +30,7 @@ def document():
     engine = shared_engine()  # the default model, shared with every surface below
     assert engine.model_name == DEFAULT_MODEL or DEFAULT_MODEL in engine.model_name.lower()
     doc = family_document("fact_qa", TOKENS, engine.count_tokens, questions=FACTS, seed=11)
-    assert engine.count_tokens(doc.context) >= 16_000
+    assert engine.count_tokens(doc.context) >= 8_000  # 3.7x n_init + n_local: answers come from evicted events
     return doc
 
 
@@ -54,7 +51,7 @@ def compared(document):
     return compare([document.context], [q.question for q in document.questions], max_new_tokens=40)
 
 
-@pytest.mark.slow(seconds=420)
+@pytest.mark.slow(seconds=350)
 def test_compare_answers_the_facts_with_em_llm_at_least_as_often_as_rag(document, compared):
     em, rag = compared.answers("em-llm"), compared.answers("rag")
     assert _right(document, em) >= AT_LEAST, _report(document, em)

@@ -55,7 +55,7 @@ class TokenRecorder(BaseCallbackHandler):
 
 
 # ---------------------------------------------------------------------- the long document, through LCEL
-@pytest.mark.slow(seconds=140)
+@pytest.mark.slow(seconds=60)
 @pytest.mark.timeout(3600)
 def test_lcel_chain_answers_from_a_fact_15k_tokens_before_the_question():
     """ChatPromptTemplate | ChatEMLLM | StrOutputParser over a 16K-token document (2x the model's trained context);

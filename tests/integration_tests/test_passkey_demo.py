@@ -1,12 +1,11 @@
 """A pass key hidden in 16K+ tokens (2x the trained context of SmolLM2-135M, the small model of the mechanical tests;
 the 256-token local window of this layout keeps under 2% of it in view, so the key is always read back from memory).
 
-EM-LLM with surprise events (S) must answer at three depths, with modularity-refined events (SM) at the middle one
-(the other two add 5 minutes to the suite and nothing SM-specific). Plain full
-attention cannot answer past the trained context (positions past 8K are outside what the model was trained on): the
-suite asserts it at 12K tokens (1.5x), depth 0.5, since quadratic attention over 16K takes a few minutes per depth
-on 2 cores; EMLLM_ALL_DEPTHS=1 runs 16K at all three depths. The 1M-token read is the benchmark's job
-(benchmarks/passkey.py), not the suite's.
+EM-LLM with surprise events (S) must answer near both ends, with modularity-refined events (SM) in the middle (every
+method at every depth adds minutes to the suite and nothing method-specific). Plain full attention cannot answer
+past the trained context (positions past 8K are outside what the model was trained on): EMLLM_ALL_DEPTHS=1 asserts
+it at 16K tokens (2x) and runs every method at every depth; the suite leaves this baseline out to stay under 20
+minutes (it checks the model, not this library). The 1M-token read is the benchmark's job (benchmarks/passkey.py).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from emllm_integrations.bench import read_each
 from emllm_integrations.bench.tasks import passkey_document
 
 TOKENS = 16_384
-FULL_TOKENS = TOKENS if os.environ.get("EMLLM_ALL_DEPTHS") == "1" else 12_288  # 1.5x the trained context
+ALL_DEPTHS = os.environ.get("EMLLM_ALL_DEPTHS") == "1"
 DEPTHS = (0.1, 0.5, 0.9)
 # A lighter layout than the defaults keeps three depths x two methods within the suite's time budget.
 LAYOUT = dict(n_local=256, n_mem=512, chunk_size=256)
@@ -51,8 +50,9 @@ def _ask_at_every_depth(engine: EMEngine, depths: tuple[float, ...] = DEPTHS):
     return answers
 
 
-@pytest.mark.slow(seconds=300)
-@pytest.mark.parametrize("preset, depths", [("S", DEPTHS), ("SM", (0.5,))])
+@pytest.mark.slow(seconds=110)
+@pytest.mark.parametrize("preset, depths", [("S", DEPTHS if ALL_DEPTHS else (0.1, 0.9)),
+                                            ("SM", DEPTHS if ALL_DEPTHS else (0.5,))])
 def test_episodic_memory_finds_the_key_at_every_depth(smol_fast, preset, depths):
     engine = EMEngine(*smol_fast, EMConfig.from_preset(preset, **LAYOUT))
     answers = _ask_at_every_depth(engine, depths)
@@ -63,17 +63,16 @@ def test_episodic_memory_finds_the_key_at_every_depth(smol_fast, preset, depths)
     assert all(answer in text for answer, text in outcomes.values()), f"{preset}: {outcomes}"
 
 
-ALL_DEPTHS = os.environ.get("EMLLM_ALL_DEPTHS") == "1"
-FULL_DEPTHS = [pytest.param(depth, marks=[] if depth == 0.5 or ALL_DEPTHS else pytest.mark.skip(
-    reason="quadratic full attention at every depth is beyond the suite's 20-minute budget; run with "
-           "EMLLM_ALL_DEPTHS=1 (16K tokens)")) for depth in DEPTHS]
+FULL_DEPTHS = [pytest.param(depth, marks=[] if ALL_DEPTHS else pytest.mark.skip(
+    reason="the full-attention baseline (the model itself failing past its trained context, 100 s per depth) is "
+           "left out of the suite's 20-minute budget; run with EMLLM_ALL_DEPTHS=1")) for depth in DEPTHS]
 
 
-@pytest.mark.slow(seconds=160)
+@pytest.mark.slow(seconds=100)
 @pytest.mark.timeout(2400)  # quadratic: EMLLM_ALL_DEPTHS=1 reads 16K at every depth
 @pytest.mark.parametrize("depth", FULL_DEPTHS)
 def test_full_attention_cannot(smol_fast, depth):
     engine = EMEngine(*smol_fast, EMConfig.from_preset("full"))
-    doc, result, _ = _ask(engine, depth, FULL_TOKENS)
-    assert result.input_tokens >= FULL_TOKENS >= 1.5 * engine.shape.max_positions
+    doc, result, _ = _ask(engine, depth, TOKENS)
+    assert result.input_tokens >= TOKENS >= 2 * engine.shape.max_positions
     assert doc.answer not in result.text, f"full attention unexpectedly found the key: {result.text!r}"
