@@ -305,17 +305,22 @@ def check_model(model: str | os.PathLike | None, *, revision: str | None = None,
     spec = _lookup_embedded(name)
     if is_hub_id(name):
         if spec is None and _hub_offline() and not _hub_cached(name, revision, cache_dir):
-            from huggingface_hub import constants
-
-            raise ModelNotAvailableError(
-                f"model={name!r}{'@' + revision if revision else ''} is {_NOT_CACHED} "
-                f"({cache_dir or constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set. Download it where the hub is "
-                f"reachable (`hf download {name}`, into the same cache), or unset HF_HUB_OFFLINE.")
+            raise ModelNotAvailableError(_not_cached(name, revision, cache_dir))
         return
     if spec is None:
         raise ValueError(f"model={name!r} is neither an existing local model directory, a hub id (org/name) nor an "
                          f"embedded model. Embedded models: {_embedded_names_text()}.")
     _locate_parts(spec)  # ModelNotAvailableError with the pip command that installs it
+
+
+def _not_cached(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> str:
+    """Why a hub model cannot load here and what to do, for the construction check and the load alike."""
+    from huggingface_hub import constants
+
+    offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
+    return (f"{repo_id}{'@' + revision if revision else ''} is {_NOT_CACHED} ({cache_dir or constants.HF_HUB_CACHE})"
+            f" and the hub cannot be reached{offline}. Download it where the hub is reachable (`hf download "
+            f"{repo_id}`, into the same cache), or pass a local model directory.")
 
 
 def _hub_offline() -> bool:
@@ -346,7 +351,6 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None, token: str | bool
     if key in _HUB_RESOLVED and _HUB_RESOLVED[key].is_dir():
         return _HUB_RESOLVED[key]
     where = dict(revision=revision, token=token, cache_dir=cache_dir)
-    cache = cache_dir or constants.HF_HUB_CACHE
     try:
         check_supported(pathlib.Path(hf_hub_download(repo_id, "config.json", **where)).parent)
         folder = pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, **where))
@@ -354,11 +358,7 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None, token: str | bool
             folder = pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES + _HUB_PICKLED_WEIGHTS,
                                                     **where))
     except LocalEntryNotFoundError:
-        offline = " (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else ""
-        raise ModelNotAvailableError(
-            f"{repo_id}{'@' + revision if revision else ''} is {_NOT_CACHED} ({cache}) and the hub cannot be "
-            f"reached{offline}. Download it where the hub is reachable (`hf download {repo_id}`, into the same "
-            f"cache), or pass a local model directory.") from None
+        raise ModelNotAvailableError(_not_cached(repo_id, revision, cache_dir)) from None
     except GatedRepoError:
         raise ModelNotAvailableError(
             f"{repo_id} is a gated model: accept its terms on the hub and pass token= (or set HF_TOKEN).") from None
