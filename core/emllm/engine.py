@@ -17,6 +17,7 @@ import json
 import os
 import re
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -386,15 +387,17 @@ class EMEngine:
 
     def pin_prefix(self, memory: EpisodicMemory, ids: list[int], end: int | None) -> None:
         """Read the prompt's first ``end`` tokens (if not read yet) and keep them in every layer's attention; a
-        prefix longer than the retrieval budget is left to retrieval (pinning it would crowd out everything)."""
+        prefix longer than the retrieval budget is left to retrieval (pinning it would crowd out everything), with
+        a warning that says so: the model may then not see a tool when the question does not resemble it."""
         if end is None or end <= memory.config.n_init or (0, end) in memory.pinned_spans:
             return
         if memory.total_tokens < end:
             self.read(memory, ids[memory.total_tokens:end])
         try:
             memory.pin(0, end)
-        except ValueError:
-            pass  # more than the budget holds
+        except ValueError as error:
+            warnings.warn(f"The tool listing ({end} tokens) is not kept in attention, it is left to retrieval: "
+                          f"{error}", stacklevel=2)
 
     def tool_grammar(self, tools: list[dict], required: bool) -> Grammar | None:
         """What a reply may be when ``tools`` are listed: tool calls only (required), or text and then calls, each

@@ -37,7 +37,6 @@ class RepresentativeIndex:
         self.faiss_min_events = faiss_min_events
         self._vectors = torch.empty(0, dim, dtype=torch.float32, device=device)  # [capacity, dim]
         self.size = 0
-        self._faiss = None  # built lazily once the store is large enough
 
     @property
     def vectors(self) -> torch.Tensor:
@@ -45,17 +44,16 @@ class RepresentativeIndex:
         return self._vectors[: self.size]
 
     def add(self, vectors: torch.Tensor) -> None:
-        """vectors: [n, dim]. Capacity doubles, so appends are amortised O(n) with no per-event allocation."""
+        """vectors: [n, dim]. Capacity grows by a quarter (amortised O(n), no per-event allocation): at a million
+        tokens the vectors are about a gigabyte (SmolLM2), and doubling would leave up to as much again unused."""
         n = vectors.shape[0]
         if self.size + n > self._vectors.shape[0]:
-            grown = torch.empty(max(2 * self._vectors.shape[0], self.size + n, 64), self.dim,
+            grown = torch.empty(max(self._vectors.shape[0] * 5 // 4, self.size + n, 64), self.dim,
                                 dtype=torch.float32, device=self.device)
             grown[: self.size] = self._vectors[: self.size]
             self._vectors = grown
         self._vectors[self.size: self.size + n] = vectors.to(self.device, torch.float32)
         self.size += n
-        if self._faiss is not None:
-            self._faiss.add(np.ascontiguousarray(vectors.detach().to("cpu", torch.float32).numpy()))
 
     def uses_faiss(self) -> bool:
         return self.backend == "faiss" or (self.backend == "auto" and self.size >= self.faiss_min_events)
@@ -75,14 +73,15 @@ class RepresentativeIndex:
         return self.vectors @ query.to(self.device, torch.float32)
 
     def _search_faiss(self, query: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """faiss's brute-force k-NN over this index's own buffer (a numpy view, no copy). An IndexFlatIP would search
+        the same way from a second copy of every vector; on a device the vectors stay there and torch searches."""
+        if self.device.type != "cpu":
+            return torch.topk(self.scores(query), k)
         import faiss  # imported here: small stores never need it
 
-        if self._faiss is None:
-            self._faiss = faiss.IndexFlatIP(self.dim)
-            self._faiss.add(np.ascontiguousarray(self.vectors.to("cpu").numpy()))
         q = np.ascontiguousarray(query.detach().to("cpu", torch.float32).numpy()[None, :])
-        scores, ids = self._faiss.search(q, k)
-        return torch.from_numpy(scores[0]).to(self.device), torch.from_numpy(ids[0]).long().to(self.device)
+        scores, ids = faiss.knn(q, self.vectors.numpy(), k, metric=faiss.METRIC_INNER_PRODUCT)
+        return torch.from_numpy(scores[0]), torch.from_numpy(ids[0]).long()
 
 
 ATTENTION_SCORING_ROWS = 256

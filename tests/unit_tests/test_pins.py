@@ -84,3 +84,12 @@ def test_bad_spans_are_refused_with_the_fix():
         memory.pin(10, 10 + budget)
     assert memory.pinned_spans == ()  # a refused pin leaves none behind
 
+
+
+def test_a_tool_listing_too_long_to_pin_is_left_to_retrieval_with_a_warning():
+    engine = tiny_engine("S")  # a retrieval budget far below 300 tokens
+    memory = engine.new_memory()
+    ids = token_ids(400, seed=3)
+    with pytest.warns(UserWarning, match=r"tool listing \(300 tokens\) is not kept.*raise n_mem"):
+        engine.pin_prefix(memory, ids, 300)
+    assert memory.pinned_spans == () and memory.total_tokens == 300
