@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import errno
+import functools
 import os
 import re
 import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -275,6 +277,8 @@ class PageStore:
         else:
             self._write_disk(page_id, page)
             self._pop(level, page_id)
+            del page
+            release_freed_memory()
 
     def _moved_down(self, page: torch.Tensor, device: torch.device) -> torch.Tensor:
         """The page on a lower tier's device; into pinned RAM under a CUDA top tier, so that bringing it back up
@@ -431,6 +435,24 @@ class PageStore:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("This episodic memory was closed; start a new one.")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator gives memory back its own way
+        return None
+
+
+def release_freed_memory() -> None:
+    """Give the C heap's free pages back to the system once a page has gone to disk. A page is tens of MB; glibc
+    serves blocks that size from its main heap once its mmap threshold has risen (it does after the first such
+    block is freed), and a hole inside the heap is not returned by free(): at 220K tokens of a 1M-token read with a
+    2 GB RAM budget, 0.5 GB of a 3.7 GB heap was free but resident (malloc_stats)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
