@@ -34,10 +34,10 @@ def current_rss_mb() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
-def document(engine_or_tokenizer_count, tokens: int):
+def document(count_tokens, tokens: int):
     from emllm_integrations.bench.tasks import passkey_document
 
-    return passkey_document(tokens, 0.5, engine_or_tokenizer_count, seed=500 + tokens)
+    return passkey_document(tokens, 0.5, count_tokens, seed=500 + tokens)
 
 
 def reference(args) -> dict:

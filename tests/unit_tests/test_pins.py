@@ -85,7 +85,6 @@ def test_bad_spans_are_refused_with_the_fix():
     assert memory.pinned_spans == ()  # a refused pin leaves none behind
 
 
-
 def test_a_tool_listing_too_long_to_pin_is_left_to_retrieval_with_a_warning():
     engine = tiny_engine("S")  # a retrieval budget far below 300 tokens
     memory = engine.new_memory()
