@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--n-local", dest="n_local", type=int, help="local window tokens")
         p.add_argument("--n-mem", dest="n_mem", type=int, help="retrieved-event token budget")
         p.add_argument("--chunk-size", dest="chunk_size", type=int, help="tokens per forward while reading")
-        p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float, help="RAM for evicted KV; rest on disk")
+        p.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
+                       help="RAM for evicted KV and the event index; rest on disk")
         p.add_argument("--retrieval-scoring", dest="retrieval_scoring", choices=SCORINGS,
                        help="how events are ranked for retrieval (default representatives; see emllm.scoring)")
         p.add_argument("--retrieval-pooling", dest="retrieval_pooling", choices=POOLINGS,
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="EM-LLM: where retrieved events sit for RoPE (default fixed, as in the paper; see "
                               "EMConfig)")
     p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
-                         help="EM-LLM: RAM for evicted KV; the rest goes to --offload-dir")
+                         help="EM-LLM: RAM for evicted KV and the event index; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")
     p_bench.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own)")
     p_bench.add_argument("--resume", action="store_true",

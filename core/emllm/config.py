@@ -91,9 +91,9 @@ class EMConfig:
     page_tokens: int = 1024
     """Evicted tokens per storage page (the unit moved between device, RAM and disk)."""
     ram_budget_mb: float | None = None
-    """RAM for evicted KV pages; beyond it the least recently used pages go to disk. None = no limit."""
+    """RAM for the memory: evicted KV pages and the event index; pages past it go to disk (LRU). None = no limit."""
     device_budget_mb: float | None = None
-    """On an accelerator, device memory for KV pages before they move to RAM. None = no limit."""
+    """On an accelerator, device memory for KV pages and the event index held there; pages past it go to RAM."""
     offload_dir: str | None = None
     """Where disk pages go (a private temporary folder inside it, removed on close). None = system temp."""
     disk_budget_mb: float | None = None

@@ -389,7 +389,18 @@ class EpisodicMemory:
         for layer in self.layers:
             layer.drop_oldest(end)
         self.local_start += end
+        self.count_index_in_budgets()
         return end
+
+    def count_index_in_budgets(self) -> None:
+        """Tell the store what the event index holds on each device (representatives per layer, event-text
+        embeddings in RAM), so that ram_budget_mb and device_budget_mb bound the memory, not only its KV pages."""
+        held: dict[torch.device, int] = {}
+        for layer in self.layers:
+            held[layer.device] = held.get(layer.device, 0) + layer.index.nbytes
+        cpu = torch.device("cpu")
+        held[cpu] = held.get(cpu, 0) + self.event_embeddings.numel() * self.event_embeddings.element_size()
+        self.store.hold(held)
 
     def segment(self, region: int) -> torch.Tensor:
         """Event starts (window-relative, in (0, region)) for the first `region` window tokens."""
@@ -466,6 +477,7 @@ class EpisodicMemory:
                 layer.memory_keys, layer.memory_values = layer_state["retrieved_kv"]
             elif layer.retrieved_ids:
                 layer.set_retrieved(layer.retrieved_ids, *gather_events(self, layer, layer.retrieved_ids))
+        self.count_index_in_budgets()
 
     def memory_positions(self, layer: "LayerMemory") -> torch.Tensor:
         """[sinks + retrieved tokens] the absolute position of each key in the layer's memory part, in its order

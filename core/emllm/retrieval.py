@@ -39,6 +39,11 @@ class RepresentativeIndex:
         self.size = 0
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the vectors held (capacity not yet written is never touched, so it is not resident)."""
+        return self.size * self.dim * self._vectors.element_size()
+
+    @property
     def vectors(self) -> torch.Tensor:
         """[size, dim] float32."""
         return self._vectors[: self.size]

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -51,6 +52,8 @@ class _Tier:
     budget_bytes: float          # inf = unlimited
     pages: "OrderedDict[int, torch.Tensor]"  # LRU order: oldest first
     used_bytes: int = 0
+    held_bytes: int = 0          # what the memory holds here besides pages (its event index), counted in the budget
+    index_warned: bool = False   # the index alone outgrew the budget and the user was told
 
 
 class _Folder:
@@ -254,13 +257,30 @@ class PageStore:
         tier = self.tiers[level]
         tier.pages[page_id] = page
         tier.used_bytes += self.page_bytes
-        while tier.pages and tier.used_bytes > tier.budget_bytes:
+        while tier.pages and tier.used_bytes + tier.held_bytes > tier.budget_bytes:
             try:
                 self._demote(level, next(iter(tier.pages)), strict)
             except StorageFullError:
                 if strict:
                     raise
                 return
+
+    def hold(self, held: dict[torch.device, int]) -> None:
+        """Count the bytes the memory holds on each device besides its pages (the event index: representatives
+        and event-text embeddings) against that tier's budget, demoting pages to make room: a RAM budget bounds
+        everything a memory keeps in RAM, not only its KV. At a million tokens of SmolLM2 the representatives alone
+        are ~1.7 GB. Where the index outgrows a budget, every page goes down and a warning names the fix."""
+        for level, tier in enumerate(self.tiers):
+            tier.held_bytes = sum(n for device, n in held.items() if _same_device(device, tier.device))
+            if tier.held_bytes > tier.budget_bytes and not tier.index_warned:
+                tier.index_warned = True
+                name = "ram_budget_mb" if tier.device.type == "cpu" else "device_budget_mb"
+                warnings.warn(
+                    f"This memory's event index holds {tier.held_bytes / 2**20:.0f} MB on {tier.device}, more than "
+                    f"{name}={tier.budget_bytes / 2**20:g}: every KV page now goes to the tier below, and the index "
+                    f"alone exceeds the budget. Raise {name}.", ResourceWarning, stacklevel=3)
+            while tier.pages and tier.used_bytes + tier.held_bytes > tier.budget_bytes:
+                self._demote(level, next(iter(tier.pages)))
 
     def _pop(self, level: int, page_id: int) -> torch.Tensor:
         tier = self.tiers[level]
@@ -412,7 +432,8 @@ class PageStore:
         page being filled is copied. Budgets count shared pages in every store that holds them."""
         self._check_open()
         child = copy.copy(self)
-        child.tiers = [_Tier(t.device, t.budget_bytes, OrderedDict(t.pages), t.used_bytes) for t in self.tiers]
+        child.tiers = [_Tier(t.device, t.budget_bytes, OrderedDict(t.pages), t.used_bytes, t.held_bytes)
+                       for t in self.tiers]
         child.disk = _Tier(None, self.disk.budget_bytes, OrderedDict(self.disk.pages))
         child._disk_files = dict(self._disk_files)
         child._folder = None  # the child writes its own files; it keeps the parent's folder alive via _disk_files
@@ -435,6 +456,11 @@ class PageStore:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("This episodic memory was closed; start a new one.")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """The same device, where one of the two may name no index ("cuda" and "cuda:0")."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 @functools.cache

@@ -167,6 +167,28 @@ def test_lru_keeps_recent_pages_in_ram(tmp_path):
     store.close()
 
 
+def test_the_event_index_held_in_ram_counts_against_the_ram_budget(tmp_path):
+    """A RAM budget bounds what the memory keeps in RAM: bytes held by its event index push the least recently
+    used pages to disk, and an index larger than the whole budget says so and leaves no page in RAM."""
+    store = make_store(pages_in_ram=3.5, offload_dir=str(tmp_path))
+    reference = fill(store, [5 * PAGE])
+    ram, cpu = store.tiers[-1], torch.device("cpu")
+    assert page_ids(ram) == [2, 3, 4]
+    store.hold({cpu: store.page_bytes, torch.device("meta"): 10 * store.page_bytes})  # another device: not RAM
+    assert page_ids(ram) == [3, 4] and ram.held_bytes == store.page_bytes
+    reference = torch.cat([reference, fill(store, [PAGE], seed=1)], dim=2)  # a new page still leaves room for it
+    assert page_ids(ram) == [4, 5]
+    with pytest.warns(ResourceWarning, match="ram_budget_mb"):
+        store.hold({cpu: 4 * store.page_bytes})
+    assert page_ids(ram) == [] and store.tier_tokens() == {"ram": 0, "disk": 6 * PAGE}
+    check_gather(store, reference, torch.arange(6 * PAGE))  # every page still reads back exactly
+    store.hold({cpu: 0})
+    reference = torch.cat([reference, fill(store, [PAGE], seed=2)], dim=2)
+    assert page_ids(ram) == [6]
+    check_gather(store, reference, torch.arange(7 * PAGE))
+    store.close()
+
+
 def test_reading_a_disk_page_leaves_it_on_disk(tmp_path):
     """A gather reads one layer's part of a disk page and moves nothing: bringing the page (every layer) up to
     RAM would read num_layers times the bytes and push a recent page out."""
@@ -416,3 +438,23 @@ def test_each_page_written_to_disk_hands_the_freed_heap_back(monkeypatch, tmp_pa
     assert (storage._malloc_trim() is not None) == (sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION")
                                                     is not None)
     storage.release_freed_memory()  # the real call returns
+
+
+def test_a_memory_counts_its_event_index_in_its_ram_budget(tmp_path):
+    """Reading under a RAM budget: the store is told what the representatives and event-text embeddings hold, and
+    pages plus index stay within the budget as the index grows (at a million tokens the index is ~1.7 GB)."""
+    from tests.unit_tests.tiny import tiny_engine, token_ids
+
+    probe = tiny_engine("S", page_tokens=16).new_memory()
+    budget_mb = 4.5 * probe.store.page_bytes / 2**20
+    probe.close()
+    engine = tiny_engine("S", page_tokens=16, ram_budget_mb=budget_mb, offload_dir=str(tmp_path))
+    memory = engine.new_memory()
+    engine.read(memory, token_ids(400, seed=3))
+    ram = memory.store.tiers[-1]
+    index_bytes = sum(layer.index.nbytes for layer in memory.layers)
+    assert index_bytes > memory.store.page_bytes  # the index is big enough here to take a page's place
+    assert ram.held_bytes == index_bytes
+    assert ram.used_bytes + ram.held_bytes <= ram.budget_bytes
+    assert len(ram.pages) < 4 and memory.store.tier_tokens()["disk"] > 0
+    memory.close()
