@@ -2,6 +2,7 @@
 
     python benchmarks/million.py                                   # SmolLM2, preset E, 1M tokens, 2 GB RAM budget
     python benchmarks/million.py --tokens 131072 --out /tmp/m128k  # a rehearsal
+    python benchmarks/million.py --redo reference short            # rerun parts whose cores were shared
 
 Three parts, each in its own process so its peak RSS is its own, all on one pass-key document (depth 0.5):
 1. plain transformers (sdpa), the limit: the document's first --reference tokens forwarded in 512-token chunks over a
@@ -166,6 +167,9 @@ def main() -> None:
     parser.add_argument("--ram-budget-mb", type=int, default=2048)
     parser.add_argument("--offload-dir", default="/tmp/emllm-1m")
     parser.add_argument("--out", type=Path, default=RESULTS / "million")
+    parser.add_argument("--redo", nargs="+", choices=["reference", "short", "long"],
+                        help="rerun only these parts (say the cores were shared while they ran), keeping the others' "
+                             "rows from --out's million.json")
     args = parser.parse_args()
     if args.part == "reference":
         print(json.dumps(reference(args)))
@@ -175,11 +179,17 @@ def main() -> None:
         print(json.dumps(engine_run(args, args.tokens if args.part == "long" else args.reference, log)))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "segments.jsonl").unlink(missing_ok=True)
-    rows = []
-    for part in ("reference", "short", "long"):
-        rows.append(child(part, args))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    parts = ("reference", "short", "long")
+    if args.redo:  # the other parts' rows are kept from the last run in --out
+        rows = json.loads((args.out / "million.json").read_text())
+    else:
+        rows = [{}] * len(parts)
+        (args.out / "segments.jsonl").unlink(missing_ok=True)
+    for i, part in enumerate(parts):
+        if args.redo and part not in args.redo:
+            continue
+        rows[i] = child(part, args)
+        print(json.dumps(rows[i]), file=sys.stderr, flush=True)
     text = report(rows, args)
     print(text)
     (args.out / "million.json").write_text(json.dumps(rows, indent=2))

@@ -67,8 +67,10 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     _, heads, q, d = q_local.shape
     kv_heads, window = keys.shape[1], keys.shape[2]
     if q == 1:  # a decoding step: its one query sees the whole window (the same sums, without indexing or masks)
-        logits = torch.matmul(q_local.view(kv_heads, heads // kv_heads, d), keys[0].transpose(1, 2))  # [kv, g, w]
-        return torch.exp(logits.float() * scaling - lse.view(kv_heads, -1, 1)).sum(dim=1)
+        # keys @ query, not query @ keys^T: the same products (bit for bit in 16-bit dtypes), 2-3x faster on CPU,
+        # where the transposed form was half of a decoding step's attention (0.65 ms per layer at 2K keys).
+        logits = torch.matmul(keys[0], q_local.view(kv_heads, heads // kv_heads, d).transpose(1, 2))  # [kv, w, g]
+        return torch.exp(logits.float() * scaling - lse.view(kv_heads, 1, -1)).sum(dim=2)
     rows = torch.arange(q - 1, -1, -max(1, q // SCORE_QUERIES), device=q_local.device)  # always includes the last
     sample = q_local[:, :, rows]                                                          # [1, heads, s, d]
     grouped = group_heads(sample, kv_heads)[0]                                            # [kv, g*s, d]

@@ -352,8 +352,10 @@ class PageStore:
                 "ram_budget_mb, or read less.")
 
     def pages_beyond_memory(self, sealed_pages: int) -> int:
-        """How many of ``sealed_pages`` cannot fit in the device and RAM budgets, so must be on disk."""
-        fit = sum(t.budget_bytes for t in self.tiers) / self.page_bytes
+        """How many of ``sealed_pages`` at least cannot fit in the device and RAM budgets, so must be on disk: the
+        event index held now is counted, its growth while reading is not (a lower bound, so nothing is refused
+        that could fit)."""
+        fit = sum(max(0.0, t.budget_bytes - t.held_bytes) for t in self.tiers) / self.page_bytes
         return 0 if fit == float("inf") else max(0, sealed_pages - int(fit))
 
     def _read_disk(self, page_id: int, index: tuple[int, ...] = (), pinned: bool = False) -> torch.Tensor:

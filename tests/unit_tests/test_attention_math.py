@@ -190,3 +190,31 @@ def test_a_key_bias_scales_each_keys_weight_by_its_exponential(dtype):
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
     plain, _ = _attend(query, key, value, 0.25, False, bias=torch.zeros(12))
     torch.testing.assert_close(plain, _attend(query, key, value, 0.25, False)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q", [1, 5])
+@pytest.mark.parametrize("memory_mass", [0.0, 1.5])
+def test_attention_received_is_each_keys_probability_summed_over_its_query_heads(dtype, q, memory_mass):
+    """What picks an event's representative tokens: per KV head and window key, the softmax probability the (here
+    every: q < SCORE_QUERIES) query of the heads sharing it gave that key, a query seeing keys up to its own
+    position. ``memory_mass`` raises the log-sum-exp as a memory part outside the window would, so the window's
+    probabilities sum to less than one. Decoding (q = 1) takes its own path; both are checked against loops."""
+    from emllm.attention import attention_received
+
+    kv, groups, window, d, scaling = 2, 3, 11, 16, 0.25
+    g = torch.Generator().manual_seed(q)
+    query = torch.randn(1, kv * groups, q, d, generator=g).to(dtype)
+    keys = torch.randn(1, kv, window, d, generator=g).to(dtype)
+    want = torch.zeros(kv, window, dtype=torch.float64)
+    lse = torch.empty(1, kv * groups, q)
+    for head in range(kv * groups):
+        for i in range(q):
+            seen = window - q + i + 1
+            logits = (keys[0, head // groups, :seen].double() @ query[0, head, i].double()) * scaling
+            lse[0, head, i] = torch.logsumexp(logits, 0) + memory_mass
+            want[head // groups, :seen] += torch.exp(logits - lse[0, head, i].double())
+    got = attention_received(query, keys, lse, scaling)
+    assert got.shape == (kv, window) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+    assert torch.all(got[:, : window - q] > 0)  # no key the queries saw is left out

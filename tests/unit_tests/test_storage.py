@@ -174,8 +174,10 @@ def test_the_event_index_held_in_ram_counts_against_the_ram_budget(tmp_path):
     reference = fill(store, [5 * PAGE])
     ram, cpu = store.tiers[-1], torch.device("cpu")
     assert page_ids(ram) == [2, 3, 4]
+    assert store.pages_beyond_memory(10) == 7
     store.hold({cpu: store.page_bytes, torch.device("meta"): 10 * store.page_bytes})  # another device: not RAM
     assert page_ids(ram) == [3, 4] and ram.held_bytes == store.page_bytes
+    assert store.pages_beyond_memory(10) == 8  # the disk budget's check counts the index too
     reference = torch.cat([reference, fill(store, [PAGE], seed=1)], dim=2)  # a new page still leaves room for it
     assert page_ids(ram) == [4, 5]
     with pytest.warns(ResourceWarning, match="ram_budget_mb"):
