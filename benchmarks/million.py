@@ -30,9 +30,14 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def current_rss_mb() -> float:
+def status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status (VmRSS now, VmHWM the peak since the last reset)."""
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+        return next(int(line.split()[1]) for line in status if line.startswith(f"{field}:")) / 1024
+
+
+def current_rss_mb() -> float:
+    return status_mb("VmRSS")
 
 
 def reset_peak_rss() -> None:
@@ -42,8 +47,7 @@ def reset_peak_rss() -> None:
 
 
 def peak_since_reset_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+    return status_mb("VmHWM")
 
 
 def document(count_tokens, tokens: int):
@@ -188,6 +192,9 @@ def main() -> None:
                         help="rerun only these parts (say the cores were shared while they ran), keeping the others' "
                              "rows from --out's million.json")
     args = parser.parse_args()
+    if args.redo and args.part is None and not (args.out / "million.json").exists():
+        parser.error(f"--redo keeps the other parts' rows from {args.out / 'million.json'}, which does not exist: "
+                     "run all three parts first, or point --out at an earlier run.")
     if args.part == "reference":
         print(json.dumps(reference(args)))
         return

@@ -257,6 +257,11 @@ class PageStore:
         tier = self.tiers[level]
         tier.pages[page_id] = page
         tier.used_bytes += self.page_bytes
+        self._fit(level, strict)
+
+    def _fit(self, level: int, strict: bool = True) -> None:
+        """Demote the tier's least recently used pages until its pages and held bytes fit its budget."""
+        tier = self.tiers[level]
         while tier.pages and tier.used_bytes + tier.held_bytes > tier.budget_bytes:
             try:
                 self._demote(level, next(iter(tier.pages)), strict)
@@ -279,8 +284,7 @@ class PageStore:
                     f"This memory's event index holds {tier.held_bytes / 2**20:.0f} MB on {tier.device}, more than "
                     f"{name}={tier.budget_bytes / 2**20:g}: every KV page now goes to the tier below, and the index "
                     f"alone exceeds the budget. Raise {name}.", ResourceWarning, stacklevel=3)
-            while tier.pages and tier.used_bytes + tier.held_bytes > tier.budget_bytes:
-                self._demote(level, next(iter(tier.pages)))
+            self._fit(level)
 
     def _pop(self, level: int, page_id: int) -> torch.Tensor:
         tier = self.tiers[level]
