@@ -21,7 +21,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -39,7 +39,7 @@ from .tools import CALL_CLOSE, CALL_OPEN, plain_tool_messages, template_carries_
 from .rope import RotaryTable
 
 Message = dict[str, Any]  # {'role', 'content'}, and 'tool_calls' / 'name' / 'tool_call_id' for tools
-Prompt = str | Sequence[Message] | Sequence[int]
+Prompt = Union[str, Sequence[Message], Sequence[int], "EncodedPrompt"]  # EncodedPrompt: encode_prompt()'s result
 
 
 class Rendered(NamedTuple):
@@ -54,8 +54,19 @@ class Rendered(NamedTuple):
 
 
 class EncodedPrompt(NamedTuple):
+    """A prompt tokenised once (EMEngine.encode_prompt), accepted wherever a prompt is: a document of a million
+    tokens is then not tokenised again for its question (the tokenizer's transient there is ~420 MB)."""
     ids: list[int]
     question_start: int | None  # token index where the prompt's last paragraph begins; None: ids, or no paragraphs
+
+    def checked(self) -> "EncodedPrompt":
+        if not isinstance(self.ids, list) or not self.ids or not all(isinstance(i, int) for i in self.ids):
+            raise TypeError("An EncodedPrompt's ids are a non-empty list of token ids: make it with "
+                            "EMEngine.encode_prompt(prompt).")
+        if self.question_start is not None and not 0 < self.question_start < len(self.ids):
+            raise ValueError(f"An EncodedPrompt's question_start ({self.question_start}) must fall inside its "
+                             f"{len(self.ids)} ids, or be None: make it with EMEngine.encode_prompt(prompt).")
+        return self
 
 
 class Decoding(NamedTuple):
@@ -325,6 +336,8 @@ class EMEngine:
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenize(prompt)
+        if isinstance(prompt, EncodedPrompt):
+            return list(prompt.checked().ids)
         _refuse_bytes(prompt)
         if isinstance(prompt, dict) or not isinstance(prompt, Iterable):
             raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
@@ -342,7 +355,12 @@ class EMEngine:
     def encode_prompt(self, prompt: Prompt, tools: list[dict] | None = None) -> EncodedPrompt:
         """prompt_ids() and where the question starts: the prompt's last paragraph, i.e. the text after its last
         blank line, or the last message if that starts later. read() gives it forwards of its own. Token ids carry
-        no paragraphs: their question_start is None."""
+        no paragraphs: their question_start is None. An EncodedPrompt is returned as it is (checked)."""
+        if isinstance(prompt, EncodedPrompt):
+            if tools:
+                raise ValueError("Tools are listed in a chat: pass the prompt as a list of messages, not an "
+                                 "EncodedPrompt.")
+            return prompt.checked()
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
             return EncodedPrompt(ids, self._token_at(Rendered.user_text(prompt), ids, _last_paragraph(prompt, 0)))

@@ -60,6 +60,36 @@ def test_a_tail_longer_than_the_tokens_given_is_compared_from_their_start():
     assert engine._token_at(Rendered.user_text(text), engine.tokenize(text), len(DOCUMENT) + 2) == 100
 
 
+def test_an_encoded_prompt_is_taken_as_it_is_and_answers_as_its_text_does(monkeypatch):
+    """A document tokenised once (encode_prompt) is not tokenised again when it is asked: at a million tokens the
+    tokenizer's transient (~420 MB) would be the run's peak."""
+    engine = tiny_engine("S")
+    text = f"{DOCUMENT}\n\n{QUESTION}"
+    encoded = engine.encode_prompt(text)
+    assert engine.encode_prompt(encoded) is encoded
+    sizes = forward_sizes(monkeypatch, engine)
+    from_text = engine.generate(text, max_new_tokens=4)
+    text_sizes = list(sizes)
+    sizes.clear()
+    monkeypatch.setattr(type(engine.tokenizer), "__call__", lambda *a, **k: pytest.fail("tokenised again"))
+    monkeypatch.setattr(type(engine.tokenizer), "encode", lambda *a, **k: pytest.fail("tokenised again"))
+    from_ids = engine.generate(encoded, max_new_tokens=4)
+    assert from_ids.token_ids == from_text.token_ids and from_ids.input_tokens == len(encoded.ids)
+    assert sizes == text_sizes and 10 in sizes  # the same forwards: the question (10 tokens) read on its own
+
+
+def test_a_malformed_encoded_prompt_is_refused_with_the_fix():
+    from emllm.engine import EncodedPrompt
+
+    engine = tiny_engine("S")
+    with pytest.raises(ValueError, match="question_start .* must fall inside its 3 ids"):
+        engine.generate(EncodedPrompt([40, 41, 42], 3), max_new_tokens=1)
+    with pytest.raises(TypeError, match="non-empty list of token ids"):
+        engine.generate(EncodedPrompt([], None), max_new_tokens=1)
+    with pytest.raises(ValueError, match="Tools are listed in a chat"):
+        engine.encode_prompt(EncodedPrompt([40, 41], None), tools=[{"type": "function", "function": {"name": "f"}}])
+
+
 def test_a_chats_question_is_its_last_paragraph_or_its_last_message():
     engine = tiny_engine("S")  # no chat template: "role: content" lines
     one_message = engine.encode_prompt([{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTION}"}])

@@ -107,6 +107,15 @@ def test_vectors_survive_growth_in_small_pieces():
     assert torch.equal(index.vectors, vectors)
 
 
+def test_the_index_counts_its_spare_capacity_in_its_bytes():
+    """A RAM budget counts what the buffer holds, written or not: reused heap memory is resident either way."""
+    index = RepresentativeIndex(DIM, CPU, backend="torch")
+    index.add(random_vectors(64, seed=11))
+    assert index.nbytes == 64 * DIM * 4  # full: nothing spare
+    index.add(random_vectors(1, seed=12))  # grows by a quarter
+    assert index.size == 65 and index.nbytes == 80 * DIM * 4
+
+
 @pytest.mark.parametrize("backend", ["torch", "faiss"])
 def test_search_of_an_empty_index_or_k_zero(backend):
     index = RepresentativeIndex(DIM, CPU, backend=backend)
