@@ -89,7 +89,6 @@ def engine_run(args, tokens: int, log: Path | None) -> dict:
     from tqdm.auto import tqdm
 
     from emllm import EMEngine
-    from emllm_integrations.bench import peak_rss_mb
 
     engine = EMEngine.from_pretrained(args.model, preset=args.preset, progress=False,
                                       ram_budget_mb=args.ram_budget_mb, offload_dir=args.offload_dir)
@@ -98,9 +97,11 @@ def engine_run(args, tokens: int, log: Path | None) -> dict:
     body = encoded.ids[:encoded.question_start]
     memory = engine.new_memory()
     read_s, segment = 0.0, args.segment if log is not None else len(body)
+    run_peak = 0.0  # each reset of VmHWM (and of getrusage's maxrss with it) ends a peak: the run's is their max
     with tqdm(total=len(body), desc=f"reading {tokens:,}", unit="tok", unit_scale=True) as bar:
         for start in range(0, len(body), segment):
             piece = body[start:start + segment]
+            run_peak = max(run_peak, peak_since_reset_mb())
             reset_peak_rss()
             t = time.perf_counter()
             engine.read(memory, piece)
@@ -116,6 +117,7 @@ def engine_run(args, tokens: int, log: Path | None) -> dict:
     # Asked with the prompt as encoded above (README: a long document is tokenised once): the text tokenised again
     # was a ~420 MB transient of the tokenizer at 1M tokens, the whole run's peak. answer_peak_rss_mb tells this
     # step's peak from the read's.
+    run_peak = max(run_peak, peak_since_reset_mb())
     reset_peak_rss()
     result = engine.generate(encoded, memory=memory, max_new_tokens=16)
     answer_peak = peak_since_reset_mb()
@@ -125,7 +127,7 @@ def engine_run(args, tokens: int, log: Path | None) -> dict:
             "read_ms_token": 1000 * (read_s + result.prefill_seconds) / result.input_tokens,
             "decode_ms_token": 1000 * result.decode_seconds / max(result.output_tokens, 1),
             "answer": doc.answer, "output": result.text.strip(), "correct": doc.answer in result.text,
-            "events": stats["events"], "peak_rss_mb": peak_rss_mb(), "answer_peak_rss_mb": answer_peak}
+            "events": stats["events"], "peak_rss_mb": max(run_peak, answer_peak), "answer_peak_rss_mb": answer_peak}
 
 
 def child(part: str, args: argparse.Namespace) -> dict:

@@ -27,7 +27,7 @@ from .config import EMConfig
 from .retrieval import ContiguityBuffer, RepresentativeIndex, gather_events, token_index_of_events
 from .scoring import RetrievalPlan, uses_stored_keys
 from .rope import RotaryTable
-from .storage import PageStore
+from .storage import PageStore, release_freed_memory
 
 
 @dataclass(frozen=True)
@@ -381,6 +381,9 @@ class EpisodicMemory:
         end = int(complete[-1]) if complete.numel() else overflow  # no boundary at all: cut at the overflow
         starts = torch.cat([torch.zeros(1, dtype=torch.long), complete[complete < end]])
         sizes = torch.diff(torch.cat([starts, torch.tensor([end])]))
+        # Room first: every layer's index grows by a quarter in this same call, and the old buffers it frees are
+        # heap holes until trimmed. Counted after, they took RSS ~0.5 GB past a 2 GB budget at 600K+ tokens.
+        grows = self.count_index_in_budgets(adding=len(starts))
         kv = torch.stack([layer.add_events(starts, sizes, config.repr_topk).to(self.store.tiers[0].device)
                           for layer in self.layers])  # [layers, 2, end, kv, d]
         self.store.append(kv)
@@ -390,17 +393,24 @@ class EpisodicMemory:
             layer.drop_oldest(end)
         self.local_start += end
         self.count_index_in_budgets()
+        if grows:
+            release_freed_memory()
         return end
 
-    def count_index_in_budgets(self) -> None:
+    def count_index_in_budgets(self, adding: int = 0) -> bool:
         """Tell the store what the event index holds on each device (representatives per layer, event-text
-        embeddings in RAM), so that ram_budget_mb and device_budget_mb bound the memory, not only its KV pages."""
+        embeddings in RAM) once ``adding`` more events are indexed, so that ram_budget_mb and device_budget_mb
+        bound the memory, not only its KV pages. Returns whether a layer's index buffer will grow."""
         held: dict[torch.device, int] = {}
+        grows = False
         for layer in self.layers:
-            held[layer.device] = held.get(layer.device, 0) + layer.index.nbytes
+            after = layer.index.nbytes_after(adding)
+            grows = grows or after > layer.index.nbytes
+            held[layer.device] = held.get(layer.device, 0) + after
         cpu = torch.device("cpu")
         held[cpu] = held.get(cpu, 0) + self.event_embeddings.numel() * self.event_embeddings.element_size()
         self.store.hold(held)
+        return grows
 
     def segment(self, region: int) -> torch.Tensor:
         """Event starts (window-relative, in (0, region)) for the first `region` window tokens."""

@@ -51,13 +51,22 @@ class RepresentativeIndex:
         """[size, dim] float32."""
         return self._vectors[: self.size]
 
+    def nbytes_after(self, n: int) -> int:
+        """nbytes once n more vectors are added: a budget makes room before the buffer grows, not after."""
+        return self._capacity_for(self.size + n) * self.dim * self._vectors.element_size()
+
+    def _capacity_for(self, needed: int) -> int:
+        """Rows the buffer has once it holds ``needed``: it grows by a quarter (amortised O(n), no per-event
+        allocation); at a million tokens the vectors are about a gigabyte (SmolLM2), and doubling would leave up
+        to as much again unused."""
+        capacity = self._vectors.shape[0]
+        return capacity if needed <= capacity else max(capacity * 5 // 4, needed, 64)
+
     def add(self, vectors: torch.Tensor) -> None:
-        """vectors: [n, dim]. Capacity grows by a quarter (amortised O(n), no per-event allocation): at a million
-        tokens the vectors are about a gigabyte (SmolLM2), and doubling would leave up to as much again unused."""
+        """vectors: [n, dim], appended (see _capacity_for)."""
         n = vectors.shape[0]
         if self.size + n > self._vectors.shape[0]:
-            grown = torch.empty(max(self._vectors.shape[0] * 5 // 4, self.size + n, 64), self.dim,
-                                dtype=torch.float32, device=self.device)
+            grown = torch.empty(self._capacity_for(self.size + n), self.dim, dtype=torch.float32, device=self.device)
             grown[: self.size] = self._vectors[: self.size]
             self._vectors = grown
         self._vectors[self.size: self.size + n] = vectors.to(self.device, torch.float32)

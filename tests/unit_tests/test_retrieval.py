@@ -111,9 +111,10 @@ def test_the_index_counts_its_spare_capacity_in_its_bytes():
     """A RAM budget counts what the buffer holds, written or not: reused heap memory is resident either way."""
     index = RepresentativeIndex(DIM, CPU, backend="torch")
     index.add(random_vectors(64, seed=11))
-    assert index.nbytes == 64 * DIM * 4  # full: nothing spare
+    assert index.nbytes == 64 * DIM * 4 == index.nbytes_after(0)  # full: nothing spare
+    assert index.nbytes_after(1) == 80 * DIM * 4 and index.nbytes_after(100) == 164 * DIM * 4  # what add() grows to
     index.add(random_vectors(1, seed=12))  # grows by a quarter
-    assert index.size == 65 and index.nbytes == 80 * DIM * 4
+    assert index.size == 65 and index.nbytes == 80 * DIM * 4 == index.nbytes_after(15)
 
 
 @pytest.mark.parametrize("backend", ["torch", "faiss"])

@@ -459,4 +459,8 @@ def test_a_memory_counts_its_event_index_in_its_ram_budget(tmp_path):
     assert ram.held_bytes == index_bytes
     assert ram.used_bytes + ram.held_bytes <= ram.budget_bytes
     assert len(ram.pages) < 4 and memory.store.tier_tokens()["disk"] > 0
+    # Room is made before the index grows: the buffers that 50 more events need are counted first.
+    assert memory.count_index_in_budgets(adding=50)
+    assert ram.held_bytes == sum(layer.index.nbytes_after(50) for layer in memory.layers) > index_bytes
+    assert ram.used_bytes + ram.held_bytes <= ram.budget_bytes
     memory.close()
