@@ -171,7 +171,11 @@ def plot(log: Path, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     axes[0].plot(x, [r["segment_tok_s"] for r in rows], marker=".")
     axes[0].set_title("read tokens/s per segment")
-    axes[1].plot(x, [r["rss_mb"] for r in rows], marker=".", label="RSS")
+    axes[1].plot(x, [r["rss_mb"] for r in rows], marker=".", label="at the segment's end")
+    if all("peak_rss_mb" in r for r in rows):
+        axes[1].plot(x, [r["peak_rss_mb"] for r in rows], marker=".", label="peak during the segment")
+    axes[1].axhline(4096, color="grey", linestyle="--", linewidth=1, label="goal (4 GB)")
+    axes[1].legend(fontsize=8)
     axes[1].set_title("RSS (MB)")
     for ax in axes:
         ax.set_xlabel("tokens read")
