@@ -42,8 +42,8 @@ class RepresentativeIndex:
     def nbytes(self) -> int:
         """Bytes of the buffer, spare capacity included: a buffer under glibc's mmap threshold (32 MB, a layer's
         index up to ~700K tokens of SmolLM2) comes from heap memory freed earlier and already resident, so its
-        unwritten quarter is held too. Counting only the rows written let RSS climb 0.3 GB past the RAM budget
-        between 460K and 1M tokens."""
+        unwritten quarter is held too. Counting only the rows written was the likely cause of RSS climbing 0.3 GB
+        between 460K and 1M tokens under a 2 GB budget."""
         return self._vectors.numel() * self._vectors.element_size()
 
     @property
