@@ -383,7 +383,8 @@ class EpisodicMemory:
         sizes = torch.diff(torch.cat([starts, torch.tensor([end])]))
         # Room first: every layer's index grows by a quarter in this same call, and the old buffers it frees are
         # heap holes until trimmed. Counted after, a 1M-token read under a 2 GB budget peaked 0.5 GB above the RSS
-        # at its 64K segments' ends (3,918 MB at 655K; counted first, 3,680 MB at most).
+        # at its 64K segments' ends (3,918 MB at 655K; counted first, 3,680 MB at most). Counted once: after
+        # the add the index holds exactly what was counted here.
         grows = self.count_index_in_budgets(adding=len(starts))
         kv = torch.stack([layer.add_events(starts, sizes, config.repr_topk).to(self.store.tiers[0].device)
                           for layer in self.layers])  # [layers, 2, end, kv, d]
@@ -393,7 +394,6 @@ class EpisodicMemory:
         for layer in self.layers:
             layer.drop_oldest(end)
         self.local_start += end
-        self.count_index_in_budgets()
         if grows:
             release_freed_memory()
         return end
