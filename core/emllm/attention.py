@@ -47,6 +47,12 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
     # The chunk itself (causal), the older window (fully visible), the memory part (fully visible). A single
     # query (decoding) sees the whole window including itself: one unmasked part.
     visible = window_keys.shape[2] - q if q > 1 else window_keys.shape[2]
+    # The memory part runs first, so the window's keys are still in cache when attention_received reads them next
+    # (a chunk's; decoding steps are summed later, LayerMemory.defer_received); the parts merge in a fixed order.
+    memory_part = None
+    if q_memory is not None:
+        memory_part = _grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
+                               heads, q)
     parts = []
     if q > 1:
         parts.append(_attend(q_local, _expand(window_keys[:, :, visible:], groups),
@@ -54,9 +60,8 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
     if visible:
         parts.append(_grouped(_attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
                                       window_values[:, :, :visible], scaling, causal=False), heads, q))
-    if q_memory is not None:
-        parts.append(_grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
-                              heads, q))
+    if memory_part is not None:
+        parts.append(memory_part)
     return _merge(parts)
 
 
@@ -66,11 +71,9 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     representative tokens. q_local [1, heads, q, d], keys [1, kv, window, d], lse [1, heads, q] from the attention."""
     _, heads, q, d = q_local.shape
     kv_heads, window = keys.shape[1], keys.shape[2]
-    if q == 1:  # a decoding step: its one query sees the whole window (the same sums, without indexing or masks)
-        # keys @ query, not query @ keys^T: the same products (bit for bit in 16-bit dtypes), 2-3x faster on CPU,
-        # where the transposed form was half of a decoding step's attention (0.65 ms per layer at 2K keys).
-        logits = torch.matmul(keys[0], q_local.view(kv_heads, heads // kv_heads, d).transpose(1, 2))  # [kv, w, g]
-        return torch.exp(logits.float() * scaling - lse.view(kv_heads, 1, -1)).sum(dim=2)
+    if q == 1:  # a decoding step: its one query sees the whole window
+        return received_by_steps(q_local[0, :, 0][None], keys[0], lse[0, :, 0][None],
+                                 torch.tensor([window], device=keys.device), scaling)
     rows = torch.arange(q - 1, -1, -max(1, q // SCORE_QUERIES), device=q_local.device)  # always includes the last
     sample = q_local[:, :, rows]                                                          # [1, heads, s, d]
     grouped = group_heads(sample, kv_heads)[0]                                            # [kv, g*s, d]
@@ -79,6 +82,23 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     probs = torch.exp(logits - lse[0].view(kv_heads, heads // kv_heads, q)[:, :, rows, None])
     visible = torch.arange(window, device=keys.device)[None, :] <= (window - q + rows)[:, None]  # [s, window]
     return (probs * visible).sum(dim=(1, 2))
+
+
+def received_by_steps(queries: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor,
+                      scaling: float) -> torch.Tensor:
+    """[kv, window] attention_received for n decoding steps at once: queries [n, heads, d] (each rotated at its
+    window position), keys [kv, window, d], lse [n, heads], visible [n] the window keys each step's query saw (its
+    own the last). A decoding step's keys are cold in cache by the time it could be scored alone (reading them again
+    was a sixth of a batched step); summed later, n steps read the window once (LayerMemory.defer_received)."""
+    n, heads, d = queries.shape
+    kv_heads, window = keys.shape[0], keys.shape[1]
+    groups = heads // kv_heads
+    # keys @ queries, not queries @ keys^T: the same products (bit for bit in 16-bit dtypes), 2-3x faster on CPU.
+    grouped = queries.view(n, kv_heads, groups, d).permute(1, 3, 0, 2).reshape(kv_heads, d, n * groups)
+    logits = torch.matmul(keys, grouped).float().view(kv_heads, window, n, groups) * scaling    # [kv, w, n, g]
+    probs = torch.exp(logits - lse.view(n, kv_heads, groups).transpose(0, 1)[:, None])         # [kv, w, n, g]
+    seen = torch.arange(window, device=keys.device)[:, None] < visible.to(keys.device)[None]   # [w, n]
+    return (probs.sum(dim=3) * seen).sum(dim=2)
 
 
 def attention_given(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float,
@@ -229,8 +249,10 @@ def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) == 1:
         return parts[0]
-    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)             # [1, heads, q]
-    out = sum(o.float() * torch.exp(l - lse)[..., None] for o, l in parts)
+    # Pairwise logaddexp, not a stacked logsumexp: the same sums in a third of the small ops (a decoding step
+    # merges 2 parts per layer and conversation, where each op's dispatch costs more than its arithmetic).
+    lse = functools.reduce(torch.logaddexp, [p[1] for p in parts])                # [1, heads, q]
+    out = functools.reduce(torch.add, [o.float() * torch.exp(l - lse)[..., None] for o, l in parts])
     return out.to(parts[0][0].dtype), lse
 
 

@@ -52,7 +52,8 @@ def memory_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor, v
     window = layer.length
     rope = layer.rope
     rope.ensure(window)
-    q_local = rope.rotate(query, torch.arange(window - q, window, device=query.device))  # [1, heads, q, d]
+    q_local = (rope.rotate_at(query, window - 1) if q == 1 else                          # [1, heads, q, d]
+               rope.rotate(query, torch.arange(window - q, window, device=query.device)))
     keys, values = layer.window_keys()[None], layer.window_values()[None]                # [1, kv, window, d]
     q_memory = memory_keys = None
     if memory.has_memory_part:
@@ -73,7 +74,9 @@ def memory_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor, v
     bias = relevance_bias(layer, memory) if q_memory is not None else None
     out, lse = episodic_attention(q_local, keys, values, q_memory, memory_keys,
                                   layer.memory_values[None], scaling, bias)               # [1, heads, q, d]
-    if memory.config.attention == "episodic":
+    if memory.config.attention == "episodic" and q == 1:  # a decoding step: scored with the next ones, later
+        layer.defer_received(q_local, lse, scaling)
+    elif memory.config.attention == "episodic":
         layer.scores[:, :window] += attention_received(q_local, keys, lse, scaling)
     if memory.attribution is not None and q == 1:
         attribute_token(memory, layer, q_local, keys, q_memory, memory_keys, lse, scaling, bias)

@@ -23,11 +23,16 @@ from typing import Any
 import torch
 
 from . import segmentation
+from .attention import received_by_steps
 from .config import EMConfig
 from .retrieval import ContiguityBuffer, RepresentativeIndex, gather_events, token_index_of_events
 from .scoring import RetrievalPlan, uses_stored_keys
 from .rope import RotaryTable
 from .storage import PageStore, release_freed_memory
+
+
+DEFERRED_STEPS = 64
+"""Decoding steps whose attention received is summed in one pass over the window (LayerMemory.defer_received)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,9 @@ class LayerMemory:
         self.keys = torch.empty(kv, capacity, d, dtype=shape.dtype, device=device)        # [kv, cap, d] raw
         self.values = torch.empty_like(self.keys)                                         # [kv, cap, d]
         self.rotated = torch.empty_like(self.keys)        # keys rotated at their window position
-        self.scores = torch.zeros(kv, capacity, dtype=torch.float32, device=device)       # attention received
+        self._received = torch.zeros(kv, capacity, dtype=torch.float32, device=device)    # attention received
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # decoding steps not yet in _received
+        self._deferred_scaling = 1.0
         self.length = 0            # tokens in the window
         self.rotated_length = 0    # prefix of `rotated` that is valid for the current window start
         self.sink_keys = torch.empty(kv, 0, d, dtype=shape.dtype, device=device)  # rotated at position 0
@@ -90,8 +97,33 @@ class LayerMemory:
             self._grow(max(2 * self.keys.shape[1], self.length + q))
         self.keys[:, self.length:self.length + q] = keys
         self.values[:, self.length:self.length + q] = values
-        self.scores[:, self.length:self.length + q] = 0
+        self._received[:, self.length:self.length + q] = 0  # not .scores: a deferred step never sees later keys
         self.length += q
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """[kv, capacity] the attention each window token has received (float32), deferred decoding steps included:
+        what picks an event's representative tokens when it leaves the window."""
+        self.flush_received()
+        return self._received
+
+    def defer_received(self, query: torch.Tensor, lse: torch.Tensor, scaling: float) -> None:
+        """Count a decoding step's attention (query [1, heads, 1, d] rotated at its window position, lse
+        [1, heads, 1]) into the scores later, with other steps': one read of the window for many steps (the
+        scores are only read when events are cut, saved or forked)."""
+        self._deferred.append((query[0, :, 0], lse[0, :, 0], self.length))
+        self._deferred_scaling = scaling
+        if len(self._deferred) >= DEFERRED_STEPS:
+            self.flush_received()
+
+    def flush_received(self) -> None:
+        if not self._deferred:
+            return
+        queries, lse, visible = zip(*self._deferred)
+        self._deferred = []
+        width = max(visible)  # no token has left the window since (drop_oldest reads .scores first)
+        self._received[:, :width] += received_by_steps(torch.stack(queries), self.window_keys()[:, :width],
+                                                       torch.stack(lse), torch.tensor(visible), self._deferred_scaling)
 
     def _grow(self, capacity: int) -> None:
         """Only full attention grows; episodic windows are preallocated at their maximum size."""
@@ -100,9 +132,9 @@ class LayerMemory:
             new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
             new[:, : self.length] = old[:, : self.length]
             setattr(self, name, new)
-        scores = torch.zeros(self.scores.shape[0], capacity, dtype=torch.float32, device=self.device)
+        scores = torch.zeros(self._received.shape[0], capacity, dtype=torch.float32, device=self.device)
         scores[:, : self.length] = self.scores[:, : self.length]
-        self.scores = scores
+        self._received = scores
 
     def window_keys(self) -> torch.Tensor:
         """[kv, length, d] keys rotated at their position in the window; only new tokens are rotated."""

@@ -218,3 +218,24 @@ def test_attention_received_is_each_keys_probability_summed_over_its_query_heads
     assert got.shape == (kv, window) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, **TOL[dtype])
     assert torch.all(got[:, : window - q] > 0)  # no key the queries saw is left out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_steps_scored_together_give_each_steps_own_attention_received(dtype):
+    """Decoding steps' attention received is summed later in one pass (LayerMemory.defer_received): each step's query
+    must count only the keys it saw (the window grew by one key per step), against its own log-sum-exp."""
+    from emllm.attention import attention_received, received_by_steps
+
+    kv, groups, window, d, scaling, steps = 2, 3, 13, 16, 0.25, 4
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(kv, window, d, generator=g).to(dtype)
+    queries = torch.randn(steps, kv * groups, d, generator=g).to(dtype)
+    lse = torch.randn(steps, kv * groups, generator=g) + 3.0
+    visible = torch.arange(window - steps + 1, window + 1)  # step i saw the window up to its own key
+    want = torch.zeros(kv, window)
+    for i in range(steps):
+        seen = int(visible[i])
+        want[:, :seen] += attention_received(queries[i][None, :, None], keys[None, :, :seen], lse[i][None, :, None],
+                                             scaling)
+    got = received_by_steps(queries, keys, lse, visible, scaling)
+    torch.testing.assert_close(got, want, **TOL[dtype])
