@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--out", default="bench-results", help="output folder (default ./bench-results)")
     p_bench.add_argument("--seed", type=int, default=0)
     p_bench.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
-                         help="tokens to generate per answer (default: the answer's length + 16)")
+                         help="tokens to generate per answer (default: the answer's length + 16; "
+                              "lists 128)")
     p_bench.add_argument("--full-max-tokens", dest="full_max_tokens", type=_length, default=FULL_MAX_TOKENS,
                          help="skip plain full attention above this length (quadratic; default 32K)")
     p_bench.add_argument("--n-local", dest="n_local", type=int, help="EM-LLM: local window tokens")

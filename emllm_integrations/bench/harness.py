@@ -22,8 +22,8 @@ from .items import TaskItem, task_items
 from .measure import peak_rss_mb, read_each
 from .ruler import score
 from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS,
-                       RAG_METHODS, ROW_FIELDS, RULER_TASKS, TASKS, BenchSettings, check_depths, check_lengths,
-                       check_methods, check_names, check_requirements, config_overrides, finished_tasks)
+                       LIST_ANSWER_TOKENS, RAG_METHODS, ROW_FIELDS, RULER_TASKS, TASKS, BenchSettings, check_depths,
+                       check_lengths, check_methods, check_names, check_requirements, config_overrides, finished_tasks)
 from .tasks import probe_suffix
 
 _MESSAGE = "@@emllm-bench "  # marks the child's result lines on stdout (libraries may print there too)
@@ -348,11 +348,11 @@ def _expected_keys(settings: BenchSettings) -> list[tuple[str, float]]:
 
 
 def _max_new(settings: BenchSettings, engine: Any, expected: str | tuple[str, ...]) -> int:
-    """The answer's tokens and room around them: +16 after an answer lead-in, +32 in a chat answer, which may
-    restate the question first."""
+    """One answer: its tokens + 16 (room for a restated question); a list: LIST_ANSWER_TOKENS or its items' tokens
+    + 64 if more."""
     if isinstance(expected, str):
         return settings.max_new_tokens or engine.count_tokens(expected) + 16
-    return settings.max_new_tokens or engine.count_tokens(" ".join(expected)) + 32
+    return settings.max_new_tokens or max(LIST_ANSWER_TOKENS, engine.count_tokens(" ".join(expected)) + 64)
 
 
 def _describe(error: BaseException) -> str:

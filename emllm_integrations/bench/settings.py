@@ -35,6 +35,13 @@ SCORER_FIELDS = {"retrieval_scoring": "scoring", "retrieval_pooling": "pooling"}
 config_overrides: the bench's settings and JSON keep these strings (a scorer object is not JSON)."""
 
 
+LIST_ANSWER_TOKENS = 128
+"""What a list answer (multi-value, multi-query, variable tracking, word extraction) may generate: RULER's budget for
+its needle and common-words answers. A chat answer restates the question (about 20 tokens) and numbers its items;
+the old budget (the items' tokens + 32) cut 4 of 5 variable-tracking and multi-query answers before their last
+item, so those cells measured the budget, not the retrieval."""
+
+
 class BenchRequirementError(RuntimeError):
     """Something the requested run needs is not installed (an extra, the essays, an embedding model)."""
 
@@ -80,7 +87,8 @@ def settings_record(settings: BenchSettings) -> dict[str, Any]:
     dtype = str(resolve_dtype(settings.dtype)).removeprefix("torch.")
     return {"model": settings.model, "dtype": dtype, "seed": settings.seed,
             "max_new_tokens": settings.max_new_tokens, "engine_fields": dict(settings.engine_fields),
-            "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc, "questions": settings.questions}
+            "multidoc_tokens_per_doc": settings.multidoc_tokens_per_doc, "questions": settings.questions,
+            "list_answer_tokens": LIST_ANSWER_TOKENS}
 
 
 def load_done(out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[dict[str, Any]]:

@@ -327,3 +327,21 @@ def test_chat_and_demo_refuse_bad_input_in_one_line_before_loading(argv, words, 
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
     assert loaded_engines() == before
+
+
+def test_a_list_answer_has_room_for_a_restated_question_and_numbered_items():
+    """A chat answer to a list question restates it and numbers its items: the items' tokens + 32 cut 4 of 5
+    variable-tracking answers before their last item (0/20 for every method), so a list gets RULER's 128 tokens
+    (more when its items need it); a single answer keeps its own length + 16, and --max-new-tokens overrides both."""
+    from emllm_integrations.bench.harness import _max_new
+    from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS
+
+    class Counter:
+        count_tokens = staticmethod(lambda text: len(text.split()))
+
+    settings = bench.BenchSettings(("variable_tracking",), (0.5,))
+    assert _max_new(settings, Counter, ("WLFSO", "DAINK", "VQBUZ", "JKRFY", "TOTRK")) == LIST_ANSWER_TOKENS
+    assert _max_new(settings, Counter, tuple(f"w{i}" for i in range(100))) == 164
+    assert _max_new(settings, Counter, "7139117") == 17
+    assert _max_new(bench.BenchSettings(("variable_tracking",), (0.5,), max_new_tokens=9), Counter, ("a", "b")) == 9
+    assert bench.settings_record(settings)["list_answer_tokens"] == LIST_ANSWER_TOKENS  # a resume must match it
