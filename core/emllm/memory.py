@@ -117,6 +117,8 @@ class LayerMemory:
             self.flush_received()
 
     def flush_received(self) -> None:
+        """Add the deferred decoding steps' attention to the scores; before any token leaves the window, since each
+        step's query was rotated for the window it saw."""
         if not self._deferred:
             return
         queries, lse, visible = zip(*self._deferred)

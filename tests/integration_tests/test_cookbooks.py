@@ -32,9 +32,11 @@ from .conftest import SMOL  # EMLLM_COOKBOOK_MODEL for the tests (see the module
 
 COOKBOOKS = pathlib.Path(__file__).resolve().parents[2] / "cookbooks"
 PROBE = "COOKBOOK_PROBE "
-# Document sizes (tokens) for the tests: small enough for the suite, long enough that the memory is used
-# (64 sinks + 512 local tokens in the notebooks' layout, so most of each document is evicted into events).
+# Document sizes (tokens) for the tests: small enough for the suite, long enough that the memory is used (01 and 02
+# run with a 512-token window, EMLLM_COOKBOOK_WINDOW; 03 has its own small layout), so most of each document is
+# evicted into events.
 TEST_SIZES = {"01": 2000, "02": 1500, "03": 1500}
+TEST_WINDOW = 512
 
 
 def run_notebook(name: str, monkeypatch: pytest.MonkeyPatch, probe: str, **params: int | float | str) -> tuple[
@@ -76,12 +78,12 @@ def outputs(notebook: nbformat.NotebookNode, mime: str) -> list[str]:
 def test_langchain_cookbook_compares_rag_and_emllm_on_one_document(monkeypatch):
     notebook, values = run_notebook("01_langchain_rag_vs_emllm.ipynb", monkeypatch,
                                     "{'results': results, 'answer': doc.answer, 'tokens': TOKENS}",
-                                    tokens=TEST_SIZES["01"], model=SMOL)
+                                    tokens=TEST_SIZES["01"], model=SMOL, window=TEST_WINDOW)
     tables = [t for t in outputs(notebook, "text/markdown") if "| method | index s | answer s |" in t]
     assert len(tables) == 1 and tables[0].count("\n| ") == 3  # header + two methods
     rag, em = values["results"]
     assert values["tokens"] == TEST_SIZES["01"]
-    # EM-LLM read the whole document (twice-stated question included); RAG's LLM read its few chunks only.
+    # EM-LLM read the whole document and the question; RAG's LLM read its few chunks only.
     assert em["tokens_read"] > values["tokens"] > rag["tokens_read"] > 0
     assert all(r["answer_s"] > 0 and r["answer"].strip() for r in (rag, em))
     for r in (rag, em):  # the table's verdict is the answer's content, not something else
@@ -94,7 +96,7 @@ def test_langchain_cookbook_compares_rag_and_emllm_on_one_document(monkeypatch):
 def test_llamaindex_cookbook_answers_with_sources_from_both_engines(monkeypatch):
     notebook, values = run_notebook("02_llamaindex_rag_vs_emllm.ipynb", monkeypatch,
                                     "{'results': results, 'questions': [q.__dict__ for q in qa.questions]}",
-                                    tokens=TEST_SIZES["02"], model=SMOL)
+                                    tokens=TEST_SIZES["02"], model=SMOL, window=TEST_WINDOW)
     tables = [t for t in outputs(notebook, "text/markdown") if "| question about | method |" in t]
     assert len(tables) == 1
     questions, results = values["questions"], values["results"]
