@@ -54,8 +54,8 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
     lengths, depths = check_lengths(lengths), check_depths(depths)
     if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
                                        or max_new_tokens < 1):
-        raise ValueError(f"max_new_tokens must be a positive integer (or None for the answer's length + 16), got "
-                         f"{max_new_tokens!r}.")
+        raise ValueError(f"max_new_tokens must be a positive integer (or None for the answer's length + 16, lists "
+                         f"128), got {max_new_tokens!r}.")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer (or None for torch's default), got {threads!r}.")
     if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:

@@ -54,7 +54,7 @@ class BenchSettings:
     model: str | None = None
     dtype: str = "auto"
     seed: int = 0
-    max_new_tokens: int | None = None          # None: the answer's tokens + 16, per question
+    max_new_tokens: int | None = None          # None: per question, its tokens + 16 (lists: 128)
     engine_fields: dict[str, Any] = field(default_factory=dict)  # EMConfig fields (see config_overrides)
     multidoc_tokens_per_doc: int = 250
     threads: int | None = None                 # torch threads in each cell (None: torch's default)
