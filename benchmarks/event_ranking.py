@@ -68,11 +68,18 @@ def evidence_tokens(text: str, starts: list[int], answers: tuple[str, ...]) -> l
     return out
 
 
-def bm25_scores(texts: list[str], query: str) -> torch.Tensor:
+def bm25_index(texts: list[str]):
+    """A BM25 index of the events' texts, built once per document and asked by every question."""
     import bm25s
 
     retriever = bm25s.BM25()
     retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
+    return retriever
+
+
+def bm25_scores(retriever, query: str) -> torch.Tensor:
+    import bm25s
+
     query_tokens = bm25s.tokenize([query], stopwords="en", show_progress=False, return_ids=False)[0]
     return torch.from_numpy(retriever.get_scores(query_tokens)).float()
 
@@ -114,6 +121,7 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
         wide_embeddings = memory.text_embedder([engine.tokenize(t) for t in wide])
         neighbourhood = torch.nn.functional.normalize(with_neighbours(memory.event_embeddings), dim=-1)
         text, offsets = token_offsets(engine.tokenizer, memory.token_ids)
+        lexicon = bm25_index(texts)
         for question, expected, depth, _ in tqdm(item.questions, desc=task):
             answers = (expected,) if isinstance(expected, str) else tuple(expected)
             per_answer = [sorted({int(owner[t]) for t in tokens if t < len(owner)})
@@ -123,7 +131,7 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
             question_ids = chat_frame(engine, question)[1]
             q_embedding = memory.text_embedder([question_ids])[0]
             dense = memory.event_embeddings @ q_embedding
-            lexical = bm25_scores(texts, question)
+            lexical = bm25_scores(lexicon, question)
             rankings = {"dense": dense, "bm25": lexical, "fused": standardise(dense) + standardise(lexical),
                         "fused_contextual": standardise(wide_embeddings @ q_embedding) + standardise(lexical),
                         "contextual": wide_embeddings @ q_embedding,
