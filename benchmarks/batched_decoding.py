@@ -9,6 +9,10 @@ retrieves from its memory) and its own question; all are read first, then timed 
 
 Sequential: each conversation generates alone (tokens / summed decode seconds). Together: one thread per
 conversation, all started at once (total tokens / wall seconds); the engine's StepBatcher merges their steps.
+
+``--reference`` also decodes the same prompts with plain transformers (the same weights under SDPA, a KV cache of
+the whole prompt, no memory), alone and as one left-padded batch: the ratio batching alone gives on this machine,
+which bounds what batched memories can reach.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from emllm import shared_engine
+from emllm.models import resolve_model_dir
 from emllm_integrations.bench.ruler import family_document
 
 QUESTION = "Describe in detail everything the text says about the people in it."
@@ -36,6 +41,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", default=None, help="write the figures here too")
+    parser.add_argument("--reference", action="store_true",
+                        help="also time plain transformers on the same prompts, alone and batched")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,9 +97,47 @@ def main() -> None:
     print(f"| together ({figures['mean_rows_per_forward']} rows per forward) | {together_rate:.2f} | "
           f"{figures['ratio']:.2f} |")
     print(f"same tokens as one at a time: {figures['same_tokens']}/{len(prompts)} conversations")
+    if args.reference:
+        alone, batched = plain_transformers_rates(resolve_model_dir(args.model), prompts, args.new, engine.shape.dtype)
+        figures["plain_transformers"] = {"alone_tokens_per_s": round(alone, 2),
+                                         "batched_tokens_per_s": round(batched, 2),
+                                         "ratio": round(batched / alone, 2)}
+        print(f"| plain transformers, alone | {alone:.2f} | 1.00 |")
+        print(f"| plain transformers, one batch of {len(prompts)} | {batched:.2f} | {batched / alone:.2f} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(figures, fh, indent=1)
+
+
+@torch.inference_mode()
+def plain_transformers_rates(model_dir, prompts: list[list[int]], new: int,
+                             dtype: torch.dtype) -> tuple[float, float]:
+    """Greedy decoding tokens/s of a plain transformers model (SDPA, a KV cache of the whole prompt): each prompt
+    alone, then all of them as one left-padded batch. Only decoding steps are timed; every row decodes ``new``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
+
+    def decode_seconds(rows: list[list[int]]) -> float:
+        width = max(map(len, rows))
+        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])                      # (B, T) left-padded
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])         # (B, T)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)                                     # (B, T)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)     # (B, 1)
+        started = time.perf_counter()
+        for _ in range(new - 1):
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - started
+
+    steps = new - 1
+    alone = len(prompts) * steps / sum(decode_seconds([p]) for p in tqdm(prompts, desc="plain, alone"))
+    batched = len(prompts) * steps / decode_seconds(prompts)
+    return alone, batched
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from . import attention, persistence
 from .config import DEFAULT_PRESET, EMConfig
 from .lossless import LosslessCheck
-from .batching import StepBatcher, row_block
+from .batching import StepBatcher, release_thread_workers, row_block
 from .forward import layer_attention
 from .memory import EpisodicMemory, ModelShape, RetrievedEvent, because
 from .models import prepare_loaded
@@ -165,6 +165,7 @@ class EMEngine:
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)  # llguidance, on first use
         self.batcher = StepBatcher(self._step)  # concurrent generations decode their tokens in one forward
         self._row_block: int | None | bool = False  # batching.row_block, probed at the first decoding step
+        release_thread_workers()  # the load's idle OpenMP workers would slow other threads' forwards (batching.py)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, preset: str | None = None, config: EMConfig | None = None,
@@ -465,6 +466,7 @@ class EMEngine:
                 self._forward(memory, piece, retrieve=True, answering=end > question)
                 bar.update(len(piece))
                 bar.set_postfix(events=memory.num_events, refresh=False)
+        release_thread_workers()  # idle OpenMP workers would slow other threads' forwards (batching.py)
         return len(tokens)
 
     def read_prompt(self, memory: EpisodicMemory, ids: list[int], question_start: int | None, *,

@@ -24,6 +24,7 @@ import torch
 
 from . import segmentation
 from .attention import received_by_steps
+from .batching import release_thread_workers
 from .config import EMConfig
 from .retrieval import ContiguityBuffer, RepresentativeIndex, gather_events, token_index_of_events
 from .scoring import RetrievalPlan, uses_stored_keys
@@ -80,6 +81,9 @@ class LayerMemory:
         self._ordered_source = self.sink_keys  # the memory_keys tensor that ordered_keys was rotated from
         self.retrievals = 0
         self.answer_mass: torch.Tensor | None = None  # [e] attention the answer's queries gave each event so far
+        # What the last answering retrieval depended on, under a scorer that reads no queries (scoring.query_free):
+        # the same key gives the same events, so the retrieval is not run again (forward.retrieve).
+        self.fixed_retrieval: tuple | None = None
         # A scorer reading every stored key, with no memory budget, keeps a float32 copy of them (stored_keys).
         self.keeps_key_copy = (uses_stored_keys(config.scorer) and config.ram_budget_mb is None
                                and config.device_budget_mb is None)
@@ -345,6 +349,7 @@ class EpisodicMemory:
         EMEngine.read, the one path every prompt is read by; forwards that do not answer never add to the mass."""
         for layer in self.layers:
             layer.answer_mass = None
+            layer.fixed_retrieval = None
         self.question_embedding = None
 
     # ------------------------------------------------------------------ event text (scoring.EventText)
@@ -479,6 +484,7 @@ class EpisodicMemory:
         child.on_fork, child.text_embedder = self.on_fork, self.text_embedder
         if self.on_fork is not None:
             self.on_fork(child)
+        release_thread_workers()  # the copies' idle OpenMP workers would slow other threads' forwards (batching.py)
         return child
 
     # ------------------------------------------------------------------ state

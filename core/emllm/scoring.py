@@ -117,10 +117,18 @@ class ForQuestions:
     def uses_event_text(self) -> bool:
         return uses_event_text(self.reading) or uses_event_text(self.answering)
 
+    @property
+    def query_free(self) -> bool:
+        """Answering forwards are what the retriever caches on (forward.retrieve); reading ones are never cached."""
+        return query_free(self.answering)
+
     def score(self, step: ScoringStep) -> torch.Tensor:
         if not step.plan.answering:
             return self.reading.score(step)
-        return step.layer.add_to_answer(self.answering.score(dataclasses.replace(step, candidates=None)))
+        scores = self.answering.score(dataclasses.replace(step, candidates=None))
+        if query_free(self.answering):  # the same scores every forward: a sum would rank as they do, except that
+            return scores               # events stored mid-answer, summed fewer times, would rank last
+        return step.layer.add_to_answer(scores)
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,7 @@ class EventText:
     ``ForQuestions(answering=EventText())``; a prompt with no new text to ask gets no preference (all zeros)."""
 
     uses_event_text = True
+    query_free = True
 
     def score(self, step: ScoringStep) -> torch.Tensor:
         scores = step.plan.text_scores
@@ -193,6 +202,10 @@ class Fused:
     def uses_event_text(self) -> bool:
         return any(uses_event_text(p) for p in self.parts)
 
+    @property
+    def query_free(self) -> bool:
+        return all(query_free(p) for p in self.parts)
+
     def score(self, step: ScoringStep) -> torch.Tensor:
         exact = dataclasses.replace(step, candidates=None)
         weights = self.weights or (1.0,) * len(self.parts)
@@ -222,6 +235,10 @@ class Pinned:
     def uses_event_text(self) -> bool:
         return uses_event_text(self.inner)
 
+    @property
+    def query_free(self) -> bool:
+        return query_free(self.inner)
+
     def score(self, step: ScoringStep) -> torch.Tensor:
         scores = self.inner.score(step).float().clone()
         scores[list(self.events)] = float("inf")
@@ -236,6 +253,14 @@ def uses_stored_keys(scorer: Scorer) -> bool:
 def uses_event_text(scorer: Scorer) -> bool:
     """Whether the scorer ranks by event text (the memory then embeds each event's text when it is evicted)."""
     return bool(getattr(scorer, "uses_event_text", False))
+
+
+def query_free(scorer: Scorer) -> bool:
+    """Whether the scorer's answering scores read no queries, only the forward's plan (EventText's question), so
+    every forward of one answer ranks the same until events are stored: the retriever then reuses its last choice
+    instead of ranking again at every decoded token of every layer (forward.retrieve). A scorer of your own that
+    reads nothing but ``step.plan`` and the event sizes may say so with a ``query_free = True`` attribute."""
+    return bool(getattr(scorer, "query_free", False))
 
 
 def rank_events(scores: torch.Tensor, candidates: int, pinned: Sequence[int] = ()) -> torch.Tensor:

