@@ -188,8 +188,8 @@ def release_thread_workers() -> None:
     parallel op pays a futex wake-up. On the 2-core CPU a batched decoding step run by one of 8 generating threads
     took ~270 ms where the same step in a process with one pool took ~190 ms (matmul and attention 30% slower), which
     held 8 conversations at 2.7x one conversation's tokens/s. So a generation releases its thread's pool before it
-    waits on others' steps and when it ends, and a read when it ends: while a batch runs only its leader's pool is
-    alive. Numerics do not change (the thread count stays torch's)."""
+    waits on others' steps and when it ends, as do a read, a fork and the engine's load: while a batch runs, only
+    its leader's pool is alive. Numerics do not change (the thread count stays torch's)."""
     pause = _libgomp_pause()
     if pause is not None:
         pause(1)  # omp_pause_soft: the calling thread's pool only (its workers exit; the runtime stays initialised)
