@@ -158,7 +158,7 @@ def bench(args: argparse.Namespace) -> int:
         rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, dtype=args.dtype,
                          seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                          full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads,
-                         questions=args.questions, done=done,
+                         questions=args.questions, concurrent=args.concurrent, done=done,
                          on_cell=lambda so_far: write_report(so_far, args.out, record))
     except BenchRequirementError as error:
         print(f"emllm bench: {error}", file=sys.stderr)
@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="EM-LLM: RAM for evicted KV and the event index; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")
     p_bench.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own)")
+    p_bench.add_argument("--concurrent", type=int, default=1,
+                         help="EM-LLM: a document's questions answered at once, their decoding batched (same answers, "
+                              "several times faster on a CPU; times are shared, so cost tables use 1, the default)")
     p_bench.add_argument("--resume", action="store_true",
                          help="add to the results already in --out (same settings): measured cells are skipped; the "
                               "report is rewritten after every cell either way")

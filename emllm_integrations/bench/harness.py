@@ -10,8 +10,10 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -34,7 +36,7 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
               model: str | None = None, dtype: str = "auto", seed: int = 0, max_new_tokens: int | None = None,
               engine_fields: dict[str, Any] | None = None, full_max_tokens: int = FULL_MAX_TOKENS,
               isolate: bool = True, threads: int | None = None, progress: bool = True,
-              questions: int = DEFAULT_QUESTIONS, done: Sequence[dict[str, Any]] = (),
+              questions: int = DEFAULT_QUESTIONS, concurrent: int = 1, done: Sequence[dict[str, Any]] = (),
               on_cell: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Run every task x method x length x depth (x question) and return one row per question (keys ROW_FIELDS).
 
@@ -49,6 +51,10 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
     again, and its rows lead the returned ones. ``on_cell`` gets every row so far after each cell, e.g. to write
     the report as the run goes, so a run stopped after hours keeps what it measured. Earlier rows of cells this run
     does not ask for are kept too: the table grows run by run.
+
+    ``concurrent`` questions of one document are answered at once by the EM-LLM methods, each from its own fork,
+    their decoding steps sharing forwards (emllm.batching): the same answers as one at a time, several times the
+    questions per hour on a CPU. Their times are then shared ones, so cost tables are measured with 1 (the default).
     """
     tasks, methods = check_names("task", tasks, TASKS), check_methods(methods)
     lengths, depths = check_lengths(lengths), check_depths(depths)
@@ -60,8 +66,11 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
         raise ValueError(f"threads must be a positive integer (or None for torch's default), got {threads!r}.")
     if isinstance(questions, bool) or not isinstance(questions, int) or questions < 1:
         raise ValueError(f"questions (per RULER document) must be a positive integer, e.g. 20, got {questions!r}.")
+    if isinstance(concurrent, bool) or not isinstance(concurrent, int) or concurrent < 1:
+        raise ValueError(f"concurrent (questions answered at once) must be a positive integer, e.g. 8, got "
+                         f"{concurrent!r}.")
     settings = BenchSettings(tuple(tasks), tuple(depths), model, dtype, seed, max_new_tokens,
-                             dict(engine_fields or {}), threads=threads, questions=questions)
+                             dict(engine_fields or {}), threads=threads, questions=questions, concurrent=concurrent)
     check_requirements(tasks, methods)
     if engine_fields:
         from emllm import EMConfig
@@ -193,30 +202,54 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
         answered = 0
         try:
             memory, prefill = next(reads)
+            answers = _ask_all(engine, memory, item, context_ids, settings)
             try:
                 event_size = memory.stats()["mean_event_size"] if method != "full" else None
-                for question, expected, depth, lead in item.questions:
-                    # Each question continues from the memory that read the context: a fork when more questions
-                    # follow (the answer's tokens would otherwise be read into it and the next prompt would not
-                    # extend it).
-                    asking = memory.fork() if len(item.questions) > 1 else memory
-                    try:
-                        ids = context_ids + _question_ids(engine, item, question, lead)
-                        result = engine.generate(ids, memory=asking,
-                                                 max_new_tokens=_max_new(settings, engine, expected))
-                    finally:
-                        if asking is not memory:
-                            asking.close()
+                for (question, expected, depth, _), (ids, result) in zip(item.questions, answers):
                     emit(_row(item.task, method, length, len(ids), depth, question, expected, result.text,
                               prefill, result.prefill_seconds, result.decode_seconds, result.output_tokens,
                               result.new_input_tokens, event_size))
                     answered += 1
             finally:
+                answers.close()  # questions still running end before their memory closes
                 memory.close()
         except Exception as error:  # one failed document (say, a disk budget) must not end the whole run
             _emit_unanswered(item, answered, _describe(error), method, length, emit)
             reads.close()
             reads = read_each(engine, contexts[index + 1:])  # the shared reading broke off: start afresh
+
+
+def _ask_all(engine: Any, memory: Any, item: TaskItem, context_ids: list[int],
+             settings: BenchSettings) -> Iterator[tuple[list[int], Any]]:
+    """(prompt ids, generation) for each of the item's questions, in order, each continuing from the memory that
+    read the context: a fork of it when more questions follow (the answer's tokens would otherwise be read into it
+    and the next prompt would not extend it). With ``settings.concurrent`` > 1 that many run at once in threads,
+    whose decoding steps the engine batches; an error ends the iteration once the questions already begun end."""
+
+    forking = threading.Lock()  # one fork at a time: a fork reads its parent's whole state
+
+    def ask(question: str, expected: str, lead: str) -> tuple[list[int], Any]:
+        with forking:
+            asking = memory.fork() if len(item.questions) > 1 else memory
+        try:
+            ids = context_ids + _question_ids(engine, item, question, lead)
+            return ids, engine.generate(ids, memory=asking, max_new_tokens=_max_new(settings, engine, expected))
+        finally:
+            if asking is not memory:
+                asking.close()
+
+    if settings.concurrent == 1 or len(item.questions) == 1:
+        for question, expected, _, lead in item.questions:
+            yield ask(question, expected, lead)
+        return
+    with ThreadPoolExecutor(max_workers=settings.concurrent, thread_name_prefix="bench-question") as pool:
+        futures = [pool.submit(ask, question, expected, lead) for question, expected, _, lead in item.questions]
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()  # those not begun; the running ones end before the pool's exit returns
 
 
 def _emit_unanswered(item: TaskItem, answered: int, reason: str, method: str, length: int,

@@ -59,6 +59,7 @@ class BenchSettings:
     multidoc_tokens_per_doc: int = 250
     threads: int | None = None                 # torch threads in each cell (None: torch's default)
     questions: int = DEFAULT_QUESTIONS         # per document of a RULER task
+    concurrent: int = 1                        # an EM-LLM document's questions answered at once (emllm.batching)
 
     def questions_per_cell(self, task: str) -> int:
         """How many rows a task gives in one (method, length) cell: its questions, or one per depth for a probe."""
@@ -78,7 +79,8 @@ def config_overrides(engine_fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def settings_record(settings: BenchSettings) -> dict[str, Any]:
-    """What must match for rows of two runs to sit in one table (threads change times, not answers: left out).
+    """What must match for rows of two runs to sit in one table (threads and concurrent questions change times, not
+    answers: left out).
 
     The dtype is recorded as resolved on this machine: "auto" is bfloat16 on one CPU and float32 on another, and a
     table resumed on the other machine would otherwise mix two experiments under one name."""

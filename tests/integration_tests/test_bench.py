@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from emllm.batching import StepBatcher
 from emllm_integrations.bench import ROW_FIELDS, run_bench
 from emllm_integrations.cli import main
 
@@ -62,6 +63,28 @@ def test_cli_bench_writes_complete_rows_table_and_figures(tmp_path, capsys):
     for name in ("accuracy", "prefill_seconds", "query_seconds", "decode_ms_per_token", "peak_rss_mb",
                  "mean_event_size"):
         assert (out / f"{name}.png").read_bytes()[:8] == PNG, name
+
+
+@pytest.mark.timeout(600)
+def test_questions_asked_at_once_get_the_answers_asked_one_at_a_time(monkeypatch):
+    """--concurrent answers a document's questions in threads whose decoding steps share forwards: the rows must
+    be those of one question at a time, in the same order."""
+    batchers = []
+    original_init = StepBatcher.__init__
+
+    def record(self, *args, **kwargs):  # the real batcher, remembered so the test can see its forwards
+        original_init(self, *args, **kwargs)
+        batchers.append(self)
+
+    monkeypatch.setattr(StepBatcher, "__init__", record)
+    common = dict(model=SMOL, engine_fields={"n_local": 256, "n_mem": 256, "chunk_size": 256}, isolate=False,
+                  progress=False, threads=1, questions=4)
+    alone = run_bench(["niah_multikey"], ["S"], [LENGTH], **common)
+    together = run_bench(["niah_multikey"], ["S"], [LENGTH], concurrent=4, **common)
+    assert len(together) == 4 and all(row["error"] is None for row in together)
+    assert [(r["question"], r["output"], r["correct"]) for r in together] == \
+        [(r["question"], r["output"], r["correct"]) for r in alone]
+    assert max(batchers[0].batch_sizes) == 1 and max(batchers[-1].batch_sizes) > 1  # only --concurrent shared
 
 
 @pytest.mark.timeout(300)

@@ -89,6 +89,8 @@ def test_report_refuses_empty_or_foreign_rows(tmp_path):
     (dict(depths=0.5), "Pass a list of depths"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
     (dict(threads=0), "threads must be a positive integer"),
+    (dict(concurrent=0), "concurrent .questions answered at once. must be a positive integer"),
+    (dict(concurrent=True), "concurrent .questions answered at once. must be a positive integer"),
     (dict(engine_fields={"n_lokal": 512}), "n_lokal"),
     (dict(engine_fields={"retrieval_scoring": "bm25"}), "retrieval scoring must be one of"),
 ])
