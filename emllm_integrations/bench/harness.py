@@ -52,9 +52,9 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
     the report as the run goes, so a run stopped after hours keeps what it measured. Earlier rows of cells this run
     does not ask for are kept too: the table grows run by run.
 
-    ``concurrent`` questions of one document are answered at once by the EM-LLM methods, each from its own fork,
-    their decoding steps sharing forwards (emllm.batching): the same answers as one at a time, several times the
-    questions per hour on a CPU. Their times are then shared ones, so cost tables are measured with 1 (the default).
+    ``concurrent`` questions of one document are answered at once (EM-LLM: each from its own fork of the read
+    memory; RAG: each with its own chunks), their decoding steps sharing forwards (emllm.batching): the same answers
+    as one at a time, several times the questions per hour on a CPU. Their times are then shared ones, so cost tables are measured with 1 (the default).
     """
     tasks, methods = check_names("task", tasks, TASKS), check_methods(methods)
     lengths, depths = check_lengths(lengths), check_depths(depths)
@@ -223,33 +223,38 @@ def _ask_all(engine: Any, memory: Any, item: TaskItem, context_ids: list[int],
              settings: BenchSettings) -> Iterator[tuple[list[int], Any]]:
     """(prompt ids, generation) for each of the item's questions, in order, each continuing from the memory that
     read the context: a fork of it when more questions follow (the answer's tokens would otherwise be read into it
-    and the next prompt would not extend it). With ``settings.concurrent`` > 1 that many run at once in threads,
-    whose decoding steps the engine batches; an error ends the iteration once the questions already begun end."""
-
+    and the next prompt would not extend it)."""
     forking = threading.Lock()  # one fork at a time: a fork reads its parent's whole state
 
-    def ask(question: str, expected: str, lead: str) -> tuple[list[int], Any]:
+    def ask(question: tuple[str, str, float, str]) -> tuple[list[int], Any]:
+        text, expected, _, lead = question
         with forking:
             asking = memory.fork() if len(item.questions) > 1 else memory
         try:
-            ids = context_ids + _question_ids(engine, item, question, lead)
+            ids = context_ids + _question_ids(engine, item, text, lead)
             return ids, engine.generate(ids, memory=asking, max_new_tokens=_max_new(settings, engine, expected))
         finally:
             if asking is not memory:
                 asking.close()
 
-    if settings.concurrent == 1 or len(item.questions) == 1:
-        for question, expected, _, lead in item.questions:
-            yield ask(question, expected, lead)
+    return _in_order(ask, item.questions, settings.concurrent)
+
+
+def _in_order(ask: Callable[[Any], Any], questions: Sequence[Any], concurrent: int) -> Iterator[Any]:
+    """ask(question) for each question, yielded in order. With ``concurrent`` > 1 that many run at once in threads,
+    whose decoding steps the engine batches into shared forwards (emllm.batching); an error ends the iteration,
+    and closing it returns once the questions already begun have ended (those not begun never start)."""
+    if concurrent == 1 or len(questions) == 1:
+        yield from map(ask, questions)
         return
-    with ThreadPoolExecutor(max_workers=settings.concurrent, thread_name_prefix="bench-question") as pool:
-        futures = [pool.submit(ask, question, expected, lead) for question, expected, _, lead in item.questions]
+    with ThreadPoolExecutor(max_workers=concurrent, thread_name_prefix="bench-question") as pool:
+        futures = [pool.submit(ask, question) for question in questions]
         try:
             for future in futures:
                 yield future.result()
         finally:
             for future in futures:
-                future.cancel()  # those not begun; the running ones end before the pool's exit returns
+                future.cancel()
 
 
 def _emit_unanswered(item: TaskItem, answered: int, reason: str, method: str, length: int,
@@ -275,15 +280,23 @@ def _answer_rag(item: TaskItem, method: str, length: int, engine: Any, settings:
     rag.add_documents(list(item.documents))
     prefill = time.perf_counter() - started
     tokens = len(engine.tokenize(format_context(list(item.documents))))
+
+    def ask(question: tuple[str, str, float, str]) -> Any:
+        text, expected, _, lead = question
+        suffix = probe_suffix(text, lead) if lead else None
+        return rag.answer(text, _max_new(settings, engine, expected), suffix=suffix, chat=not lead)
+
     answered = 0
-    for question, expected, depth, lead in item.questions:
-        suffix = probe_suffix(question, lead) if lead else None
-        answer = rag.answer(question, _max_new(settings, engine, expected), suffix=suffix, chat=not lead)
-        asked = tokens + len(_question_ids(engine, item, question, lead))
-        emit(_row(item.task, method, length, asked, depth, question,
-                  expected, answer.text, prefill, answer.retrieve_seconds + answer.prefill_seconds,
-                  answer.decode_seconds, answer.output_tokens, answer.input_tokens, None))
-        answered += 1
+    answers = _in_order(ask, item.questions, settings.concurrent)
+    try:
+        for (question, expected, depth, lead), answer in zip(item.questions, answers):
+            asked = tokens + len(_question_ids(engine, item, question, lead))
+            emit(_row(item.task, method, length, asked, depth, question,
+                      expected, answer.text, prefill, answer.retrieve_seconds + answer.prefill_seconds,
+                      answer.decode_seconds, answer.output_tokens, answer.input_tokens, None))
+            answered += 1
+    finally:
+        answers.close()
     return answered
 
 

@@ -59,7 +59,7 @@ class BenchSettings:
     multidoc_tokens_per_doc: int = 250
     threads: int | None = None                 # torch threads in each cell (None: torch's default)
     questions: int = DEFAULT_QUESTIONS         # per document of a RULER task
-    concurrent: int = 1                        # an EM-LLM document's questions answered at once (emllm.batching)
+    concurrent: int = 1                        # a document's questions answered at once (emllm.batching)
 
     def questions_per_cell(self, task: str) -> int:
         """How many rows a task gives in one (method, length) cell: its questions, or one per depth for a probe."""

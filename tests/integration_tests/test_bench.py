@@ -67,8 +67,8 @@ def test_cli_bench_writes_complete_rows_table_and_figures(tmp_path, capsys):
 
 @pytest.mark.timeout(600)
 def test_questions_asked_at_once_get_the_answers_asked_one_at_a_time(monkeypatch):
-    """--concurrent answers a document's questions in threads whose decoding steps share forwards: the rows must
-    be those of one question at a time, in the same order."""
+    """--concurrent answers a document's questions in threads whose decoding steps share forwards, for EM-LLM and
+    for RAG: the rows must be those of one question at a time, in the same order."""
     batchers = []
     original_init = StepBatcher.__init__
 
@@ -79,12 +79,14 @@ def test_questions_asked_at_once_get_the_answers_asked_one_at_a_time(monkeypatch
     monkeypatch.setattr(StepBatcher, "__init__", record)
     common = dict(model=SMOL, engine_fields={"n_local": 256, "n_mem": 256, "chunk_size": 256}, isolate=False,
                   progress=False, threads=1, questions=4)
-    alone = run_bench(["niah_multikey"], ["S"], [LENGTH], **common)
-    together = run_bench(["niah_multikey"], ["S"], [LENGTH], concurrent=4, **common)
-    assert len(together) == 4 and all(row["error"] is None for row in together)
-    assert [(r["question"], r["output"], r["correct"]) for r in together] == \
-        [(r["question"], r["output"], r["correct"]) for r in alone]
-    assert max(batchers[0].batch_sizes) == 1 and max(batchers[-1].batch_sizes) > 1  # only --concurrent shared
+    alone = run_bench(["niah_multikey"], ["S", "rag-minilm"], [LENGTH], **common)
+    shared = len(batchers)
+    together = run_bench(["niah_multikey"], ["S", "rag-minilm"], [LENGTH], concurrent=4, **common)
+    assert len(together) == 8 and all(row["error"] is None for row in together)
+    assert [(r["method"], r["question"], r["output"], r["correct"]) for r in together] == \
+        [(r["method"], r["question"], r["output"], r["correct"]) for r in alone]
+    assert all(max(b.batch_sizes, default=1) == 1 for b in batchers[:shared])  # one question at a time
+    assert len(batchers) - shared == 2 and all(max(b.batch_sizes) > 1 for b in batchers[shared:])  # shared forwards
 
 
 @pytest.mark.timeout(300)
