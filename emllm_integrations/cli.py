@@ -270,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")
     p_bench.add_argument("--threads", type=int, help="torch threads per cell (default: torch's own)")
     p_bench.add_argument("--concurrent", type=int, default=1,
-                         help="a document's questions answered at once, their decoding batched (the same answers, several "
-                              "times faster on a CPU; times are shared, so cost tables use 1, the default)")
+                         help="a document's questions answered at once, their decoding batched (the same answers, "
+                              "several times faster on a CPU; times are shared, so cost tables use 1, the default)")
     p_bench.add_argument("--resume", action="store_true",
                          help="add to the results already in --out (same settings): measured cells are skipped; the "
                               "report is rewritten after every cell either way")

@@ -54,7 +54,8 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
 
     ``concurrent`` questions of one document are answered at once (EM-LLM: each from its own fork of the read
     memory; RAG: each with its own chunks), their decoding steps sharing forwards (emllm.batching): the same answers
-    as one at a time, several times the questions per hour on a CPU. Their times are then shared ones, so cost tables are measured with 1 (the default).
+    as one at a time, several times the questions per hour on a CPU. Their times are then shared ones, so cost
+    tables are measured with 1 (the default).
     """
     tasks, methods = check_names("task", tasks, TASKS), check_methods(methods)
     lengths, depths = check_lengths(lengths), check_depths(depths)
