@@ -1,0 +1,112 @@
+"""One figure of the whole quality suite: RULER's score by length, one panel per task family, one line per method.
+
+Each `emllm bench` run writes its own accuracy.png, but the suite is spread over a folder per length and method
+group (suite_8k, suite_64k_lists_rag, ...); a reader comparing the default with RAG across lengths needs them on
+one set of axes. The score (RULER's partial credit) is plotted rather than right/wrong because the list families
+are 0 of 20 right for every method at this model size, while their scores still differ. Error bars are 95%
+percentile-bootstrap intervals over the cell's questions.
+
+    python benchmarks/suite_plot.py --out benchmarks/results/suite.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+from collections import defaultdict
+
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+TASKS = ("fact_qa", "niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
+         "variable_tracking", "common_words", "frequent_words")
+METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
+STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
+         "S": ("C2", "^", 1.2), "SM": ("C4", "x", 0.8), "S+C": ("C5", "x", 0.8), "SM+C": ("C8", "x", 0.8),
+         "F": ("C7", "v", 1.2), "full": ("k", "*", 1.2)}
+"""The default and RAG stand out; the paper's other presets are thin."""
+
+
+def load_cells(folders: list[pathlib.Path]) -> dict[tuple[str, str, int], list[float]]:
+    """(task, method, length) -> the scores of its questions; a question already seen in an earlier folder is not
+    counted twice (some families were measured in two runs)."""
+    cells: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    seen: set[tuple[str, str, int, str]] = set()
+    for folder in folders:
+        for row in json.loads((folder / "bench.json").read_text()):
+            key = (row["task"], row["method"], row["length"], row["question"])
+            if key in seen or row["task"] not in TASKS:
+                continue
+            seen.add(key)
+            score = row.get("score")
+            cells[key[:3]].append(float(bool(row["correct"])) if score is None else float(score))
+    return cells
+
+
+def bootstrap_interval(scores: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the mean: resampling the questions, as a reader re-asking other ones would."""
+    values = np.asarray(scores)
+    means = np.random.default_rng(seed).choice(values, size=(draws, len(values))).mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def plot(cells: dict[tuple[str, str, int], list[float]], out: pathlib.Path, min_questions: int = 20) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in TASKS if any(k[0] == t for k in cells)]
+    lengths = sorted({k[2] for k in cells})
+    columns = 3
+    fig, axes = plt.subplots(-(-len(tasks) // columns), columns, figsize=(13, 3.3 * -(-len(tasks) // columns)),
+                             squeeze=False, sharex=True)
+    for ax, task in zip(axes.flat, tasks):
+        for i, method in enumerate(METHODS):
+            points = [(n, cells[(task, method, n)]) for n in lengths
+                      if len(cells.get((task, method, n), [])) >= min_questions]
+            if not points:
+                continue
+            colour, marker, width = STYLE[method]
+            nudge = 2 ** (0.04 * (i - len(METHODS) / 2))  # methods often tie: each is shifted so none hides
+            xs = [n * nudge for n, _ in points]
+            ys = [float(np.mean(s)) for _, s in points]
+            bounds = np.array([bootstrap_interval(s) for _, s in points])
+            ax.errorbar(xs, ys, yerr=[np.array(ys) - bounds[:, 0], bounds[:, 1] - np.array(ys)], color=colour,
+                        marker=marker, linewidth=width, markersize=4, capsize=2, label=method)
+        ax.set_title(task.replace("_", " "))
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1024}K" for n in lengths])
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(tasks):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("RULER score")
+    handles: dict = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles), fontsize=9)
+    fig.suptitle("The quality suite: score by length (20 questions per point, 95% bootstrap bars)")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.97))
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folders", nargs="*", type=pathlib.Path,
+                        default=sorted(RESULTS.glob("suite_*")), help="bench output folders (default: suite_*)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "suite.png")
+    args = parser.parse_args()
+    missing = [str(f) for f in args.folders if not (f / "bench.json").is_file()]
+    if missing:
+        parser.error(f"no bench.json in {missing}: pass folders written by `emllm bench --out`.")
+    plot(load_cells(args.folders), args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
