@@ -6,7 +6,7 @@ one set of axes. The score (RULER's partial credit) is plotted rather than right
 are 0 of 20 right for every method at this model size, while their scores still differ. Error bars are 95%
 percentile-bootstrap intervals over the cell's questions.
 
-    python benchmarks/suite_plot.py --out benchmarks/results/suite.png
+    PYTHONPATH=. python benchmarks/suite_plot.py --out benchmarks/results/suite.png
 """
 
 from __future__ import annotations
@@ -18,9 +18,12 @@ from collections import defaultdict
 
 import numpy as np
 
+from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS, SETTINGS_FILE
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 TASKS = ("fact_qa", "niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
          "variable_tracking", "common_words", "frequent_words")
+LIST_TASKS = ("niah_multivalue", "niah_multiquery", "variable_tracking", "common_words", "frequent_words")
 METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
 STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
          "S": ("C2", "^", 1.2), "SM": ("C4", "x", 0.8), "S+C": ("C5", "x", 0.8), "SM+C": ("C8", "x", 0.8),
@@ -28,19 +31,26 @@ STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C
 """The default and RAG stand out; the paper's other presets are thin."""
 
 
-def load_cells(folders: list[pathlib.Path]) -> dict[tuple[str, str, int], list[float]]:
-    """(task, method, length) -> the scores of its questions; a question already seen in an earlier folder is not
-    counted twice (some families were measured in two runs)."""
-    cells: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+def load_cells(folders: list[pathlib.Path]) -> dict[tuple[str, str, int], dict[str, float]]:
+    """(task, method, length) -> {question: its score}; a question already seen in an earlier folder is not
+    counted twice (some families were measured in two runs). List answers from runs before the bench gave lists
+    RULER's token budget (no ``list_answer_tokens`` in their settings) were cut short: they are left out."""
+    missing = [str(f) for f in folders if not (f / "bench.json").is_file() or not (f / SETTINGS_FILE).is_file()]
+    if missing:
+        raise FileNotFoundError(f"No bench.json or {SETTINGS_FILE} in {missing}: pass folders written by "
+                                "`emllm bench --out`.")
+    cells: dict[tuple[str, str, int], dict[str, float]] = defaultdict(dict)
     seen: set[tuple[str, str, int, str]] = set()
     for folder in folders:
+        settings = json.loads((folder / SETTINGS_FILE).read_text())
+        lists_cut_short = settings.get("list_answer_tokens") != LIST_ANSWER_TOKENS
         for row in json.loads((folder / "bench.json").read_text()):
             key = (row["task"], row["method"], row["length"], row["question"])
-            if key in seen or row["task"] not in TASKS:
+            if key in seen or row["task"] not in TASKS or (lists_cut_short and row["task"] in LIST_TASKS):
                 continue
             seen.add(key)
             score = row.get("score")
-            cells[key[:3]].append(float(bool(row["correct"])) if score is None else float(score))
+            cells[key[:3]][row["question"]] = float(bool(row["correct"])) if score is None else float(score)
     return cells
 
 
@@ -51,7 +61,7 @@ def bootstrap_interval(scores: list[float], draws: int = 2000, seed: int = 0) ->
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def plot(cells: dict[tuple[str, str, int], list[float]], out: pathlib.Path, min_questions: int = 20) -> None:
+def plot(cells: dict[tuple[str, str, int], dict[str, float]], out: pathlib.Path, min_questions: int = 20) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,7 +74,7 @@ def plot(cells: dict[tuple[str, str, int], list[float]], out: pathlib.Path, min_
                              squeeze=False, sharex=True)
     for ax, task in zip(axes.flat, tasks):
         for i, method in enumerate(METHODS):
-            points = [(n, cells[(task, method, n)]) for n in lengths
+            points = [(n, list(cells[(task, method, n)].values())) for n in lengths
                       if len(cells.get((task, method, n), [])) >= min_questions]
             if not points:
                 continue
@@ -101,9 +111,6 @@ def main() -> None:
                         default=sorted(RESULTS.glob("suite_*")), help="bench output folders (default: suite_*)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "suite.png")
     args = parser.parse_args()
-    missing = [str(f) for f in args.folders if not (f / "bench.json").is_file()]
-    if missing:
-        parser.error(f"no bench.json in {missing}: pass folders written by `emllm bench --out`.")
     plot(load_cells(args.folders), args.out)
     print(f"wrote {args.out}")
 

@@ -1,0 +1,54 @@
+"""The quality goals' arithmetic: one method minus another on the same questions, per family and length.
+
+Two cells of 20 questions whose Wilson intervals overlap can still differ reliably when both methods answered the
+same questions; pairing by question removes the documents' own difficulty from the comparison. Differences are
+in points of RULER's score (right/wrong for one-answer families), with a 95% percentile-bootstrap interval over
+the questions. `--tolerance 5` reads "the default >= full attention - 5 points".
+
+    PYTHONPATH=. python benchmarks/suite_compare.py E rag-minilm
+    PYTHONPATH=. python benchmarks/suite_compare.py E full --tolerance 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import numpy as np
+from suite_plot import RESULTS, TASKS, bootstrap_interval, load_cells
+
+
+def paired_difference(first: dict[str, float], second: dict[str, float]) -> tuple[float, float, float, int]:
+    """Mean of first - second over the questions both answered, in points, with its 95% bootstrap interval."""
+    shared = sorted(set(first) & set(second))
+    if not shared:
+        raise ValueError("The two cells share no question: they were asked of different documents.")
+    gaps = [first[q] - second[q] for q in shared]
+    low, high = bootstrap_interval(gaps, draws=5000)
+    return 100 * float(np.mean(gaps)), 100 * low, 100 * high, len(shared)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("method", help="the method the goal is about (E, the default)")
+    parser.add_argument("other", help="the method it is held against (rag-minilm, full, F, ...)")
+    parser.add_argument("--tolerance", type=float, default=0.0, help="points the method may trail by and still meet")
+    parser.add_argument("--folders", nargs="*", type=pathlib.Path, default=sorted(RESULTS.glob("suite_*")))
+    args = parser.parse_args()
+    cells = load_cells(args.folders)
+    met = measured = 0
+    for length in sorted({k[2] for k in cells}):
+        for task in TASKS:
+            first, second = cells.get((task, args.method, length)), cells.get((task, args.other, length))
+            if not first or not second:
+                continue
+            mean, low, high, asked = paired_difference(first, second)
+            verdict = "met" if mean >= -args.tolerance else ("within the noise" if high >= -args.tolerance else "not met")
+            met, measured = met + (verdict == "met"), measured + 1
+            print(f"{length // 1024:>4}K {task:18} {args.method} - {args.other}: {mean:+6.1f} [{low:+.0f}, {high:+.0f}]"
+                  f" of {asked}  {verdict}")
+    print(f"met on {met} of {measured} cells")
+
+
+if __name__ == "__main__":
+    main()
