@@ -15,7 +15,9 @@ import argparse
 import pathlib
 
 import numpy as np
-from suite_plot import RESULTS, TASKS, bootstrap_interval, load_cells
+from suite_plot import RESULTS, bootstrap_interval, load_cells
+
+from emllm_integrations.bench.settings import RULER_TASKS
 
 
 def paired_difference(first: dict[str, float], second: dict[str, float]) -> tuple[float, float, float, int]:
@@ -38,7 +40,7 @@ def main() -> None:
     cells = load_cells(args.folders)
     met = measured = 0
     for length in sorted({k[2] for k in cells}):
-        for task in TASKS:
+        for task in RULER_TASKS:
             first, second = cells.get((task, args.method, length)), cells.get((task, args.other, length))
             if not first or not second:
                 continue

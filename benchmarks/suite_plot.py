@@ -18,11 +18,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS, SETTINGS_FILE
+from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS, RULER_TASKS, SETTINGS_FILE
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-TASKS = ("fact_qa", "niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
-         "variable_tracking", "common_words", "frequent_words")
 LIST_TASKS = ("niah_multivalue", "niah_multiquery", "variable_tracking", "common_words", "frequent_words")
 METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
 STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
@@ -46,7 +44,7 @@ def load_cells(folders: list[pathlib.Path]) -> dict[tuple[str, str, int], dict[s
         lists_cut_short = settings.get("list_answer_tokens") != LIST_ANSWER_TOKENS
         for row in json.loads((folder / "bench.json").read_text()):
             key = (row["task"], row["method"], row["length"], row["question"])
-            if key in seen or row["task"] not in TASKS or (lists_cut_short and row["task"] in LIST_TASKS):
+            if key in seen or row["task"] not in RULER_TASKS or (lists_cut_short and row["task"] in LIST_TASKS):
                 continue
             seen.add(key)
             score = row.get("score")
@@ -67,11 +65,11 @@ def plot(cells: dict[tuple[str, str, int], dict[str, float]], out: pathlib.Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tasks = [t for t in TASKS if any(k[0] == t for k in cells)]
+    tasks = [t for t in RULER_TASKS if any(k[0] == t for k in cells)]
     lengths = sorted({k[2] for k in cells})
     columns = 3
-    fig, axes = plt.subplots(-(-len(tasks) // columns), columns, figsize=(13, 3.3 * -(-len(tasks) // columns)),
-                             squeeze=False, sharex=True)
+    rows = -(-len(tasks) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(13, 3.3 * rows), squeeze=False, sharex=True)
     for ax, task in zip(axes.flat, tasks):
         for i, method in enumerate(METHODS):
             points = [(n, list(cells[(task, method, n)].values())) for n in lengths
