@@ -244,7 +244,7 @@ def sync_audit(device: str) -> dict:
     memory = engine.new_memory()
     ids = torch.randint(0, SMOL["vocab_size"], (4096,), generator=torch.Generator().manual_seed(5))
     for start in range(0, 3072, 512):
-        engine._forward(memory, ids[start:start + 512], retrieve=True)
+        engine.forward(memory, ids[start:start + 512], retrieve=True)
     sync(device)
     sites: dict[str, collections.Counter] = {"read": collections.Counter(), "decode": collections.Counter()}
     phase = "read"
@@ -263,10 +263,10 @@ def sync_audit(device: str) -> dict:
             warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             for start in (3072, 3584):
-                engine._forward(memory, ids[start:start + 512], retrieve=True)
+                engine.forward(memory, ids[start:start + 512], retrieve=True)
             phase = "decode"
             for token in (7, 8):
-                engine._forward(memory, torch.tensor([token]), retrieve=True, answering=True)
+                engine.forward(memory, torch.tensor([token]), retrieve=True, answering=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = shown
@@ -353,7 +353,7 @@ def em_speed(model, preset: str, tokens: int, budget: float, device: str, embedd
     chunk = engine.config.chunk_size
     read, started = 0, time.perf_counter()
     while read < tokens and time.perf_counter() - started < budget:
-        engine._forward(memory, ids[read:read + chunk], retrieve=True)
+        engine.forward(memory, ids[read:read + chunk], retrieve=True)
         read += chunk
     sync(device)
     seconds = time.perf_counter() - started
@@ -362,7 +362,7 @@ def em_speed(model, preset: str, tokens: int, budget: float, device: str, embedd
     decode = []
     for token in torch.randint(2, LLAMA_8B["vocab_size"], (16,)).tolist():
         t = time.perf_counter()
-        engine._forward(memory, torch.tensor([token]), retrieve=True, answering=True)
+        engine.forward(memory, torch.tensor([token]), retrieve=True, answering=True)
         sync(device)
         decode.append(time.perf_counter() - t)
     out = {"method": preset, "tokens_asked": tokens, "tokens_read": read, "read_seconds": seconds,
@@ -408,7 +408,7 @@ def smoke(device: str) -> dict:
     memory = engine.new_memory()
     engine.read(memory, torch.randint(2, 512, (3000,), generator=torch.Generator().manual_seed(0)).tolist())
     for token in (5, 6):
-        engine._forward(memory, torch.tensor([token]), retrieve=True, answering=True)
+        engine.forward(memory, torch.tensor([token]), retrieve=True, answering=True)
     result = {"events": memory.num_events, "finite": bool(torch.isfinite(memory.last_logits).all())}
     memory.close()
     return result

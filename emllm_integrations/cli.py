@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import get_args
 
 from emllm.config import DEFAULT_PRESET, PRESETS, MemoryPositions
@@ -83,7 +82,7 @@ def demo(args: argparse.Namespace) -> int:
 
 def chat(args: argparse.Namespace) -> int:
     from emllm import EMConfig
-    from emllm.engine import check_sampling
+    from emllm.decoding import check_sampling
 
     check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads and the document is read
     EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))

@@ -39,15 +39,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage, ToolMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
@@ -59,13 +59,14 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
-from pydantic import ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, Grammar, MemoryPool, shared_engine
-from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
-from emllm.engine import check_sampling
-from emllm.sessions import shared_pool
+from emllm import (DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, Grammar, MemoryPool,
+                   shared_engine)
+from emllm.decoding import check_sampling
 from emllm.models import check_model
+from emllm.sessions import shared_pool
+from emllm.tools import ReplyStream, ToolCall
 
 from .async_bridge import iterate_in_thread
 from .sampling import sampling_options
@@ -152,7 +153,7 @@ class ChatEMLLM(BaseChatModel):
         return values
 
     @model_validator(mode="after")
-    def _validate_eagerly(self) -> "ChatEMLLM":
+    def _validate_eagerly(self) -> ChatEMLLM:
         """Bad settings fail here, at construction, rather than minutes later inside the first call."""
         self.em_config()  # unknown preset or field, impossible layout -> emllm.ConfigError (a ValueError)
         if self.loaded_engine is None:
@@ -212,7 +213,7 @@ class ChatEMLLM(BaseChatModel):
         return pool
 
     def batch(self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None = None, *,
-              return_exceptions: bool = False, **kwargs: Any) -> list[BaseMessage]:
+              return_exceptions: bool = False, **kwargs: Any) -> list[AIMessage]:
         """LangChain's batch with every input in flight at once unless ``max_concurrency`` says otherwise (the
         executor's default is the CPU count + 4): concurrent conversations decode their tokens in shared forwards
         (emllm.batching), so more at once is faster, not slower. abatch runs them all at once already."""
@@ -296,15 +297,17 @@ class ChatEMLLM(BaseChatModel):
         trace = {"ls_structured_output_format": {"kwargs": {"method": method},
                                                  "schema": convert_to_json_schema(schema) if schema else None}}
         if method == "function_calling":
+            assert schema is not None  # only json_mode goes without one (checked above)
             name = convert_to_openai_tool(schema)["function"]["name"]
             llm = self.bind_tools([schema], tool_choice=name, **trace)
-            parser: Runnable = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
-                                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+            parser: Runnable = (PydanticToolsParser(tools=[cast("type[BaseModel]", schema)], first_tool_only=True)
+                                if pydantic else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
         else:
             json_schema = convert_to_json_schema(schema) if schema is not None else {"type": "object"}
             llm = self.bind(response_format={"type": "json_schema", "json_schema": {
                 "name": json_schema.get("title", "response"), "schema": json_schema}}, **trace)
-            parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+            parser = (PydanticOutputParser(pydantic_object=cast("type[BaseModel]", schema)) if pydantic
+                      else JsonOutputParser())
         if not include_raw:
             return llm | parser
         parsed = RunnablePassthrough.assign(parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None)
@@ -341,7 +344,9 @@ class ChatEMLLM(BaseChatModel):
                         run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                     yield chunk
         finally:
-            deltas.close()  # a consumer that stops early releases the memory at once
+            close = getattr(deltas, "close", None)  # a consumer that stops early releases the memory at once
+            if close is not None:
+                close()
         result = stream.result
         # Calls only (a forced call) or a structured answer: cut by max_tokens, it cannot parse. Text that may hold
         # calls (tool_choice auto) is parsed as it is; a call left open is an invalid_tool_call.
@@ -369,7 +374,7 @@ class ChatEMLLM(BaseChatModel):
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
 
-    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> "CallOptions":
+    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> CallOptions:
         """This call's options: per-call values over the instance's, checked before any work."""
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own streaming switch
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
@@ -531,7 +536,8 @@ class _ReplyChunks:
 
     def __init__(self, tool_names: set[str], whole: bool):
         self._replies = ReplyStream(tool_names) if tool_names else None
-        self._whole, self._held, self._calls = whole, [], 0
+        self._whole, self._calls = whole, 0
+        self._held: list[str] = []
 
     def feed(self, delta: str) -> list[ChatGenerationChunk]:
         if self._whole:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from emllm.engine import check_sampling
+from emllm.decoding import check_sampling
 
 
 def sampling_options(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,

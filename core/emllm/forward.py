@@ -118,12 +118,12 @@ def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, 
     distance) and load their KV after the sinks: the config's scorer ranks (pinned events first), the similarity
     budget takes the best, the contiguity buffer adds their neighbours."""
     config = memory.config
-    pinned = memory.pinned_events()
-    scorer = Pinned(config.scorer, tuple(pinned)) if pinned else config.scorer
+    pinned = memory.plan.pinned
+    scorer = Pinned(config.scorer, pinned) if pinned else config.scorer
     # A query-free ranking of the same events under the same pins picks what it picked last time (the contiguity
     # update is idempotent too), so an answer's decoding steps skip ~30 small ops per layer (memory.begin_answer
     # clears the key for each new question).
-    fixed = (layer.index.size, tuple(pinned)) if memory.plan.answering and query_free(scorer) else None
+    fixed = (layer.index.size, pinned) if memory.plan.answering and query_free(scorer) else None
     if fixed is not None and fixed == layer.fixed_retrieval:
         layer.retrievals += 1
         return

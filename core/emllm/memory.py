@@ -323,6 +323,11 @@ class EpisodicMemory:
         self.event_embeddings = torch.empty(0, 0)               # [events embedded so far, dim] each event's text
         self.question_embedding: torch.Tensor | None = None     # [dim] the current prompt's question
         self.on_fork = None  # set by the engine so forks are closed with it
+        # Facts that change only when events are evicted, pins change or a question is asked, kept for every forward
+        # (and every layer of it) until then: (what they were computed from, the fact).
+        self._boundaries: tuple[torch.Tensor | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.long))
+        self._pinned: tuple[tuple | None, tuple[int, ...]] = (None, ())
+        self._text_scores: tuple[tuple | None, torch.Tensor | None] = (None, None)
         self.closed = False
         self.closed_reason = ""
 
@@ -343,6 +348,13 @@ class EpisodicMemory:
     def begin_forward(self, plan: RetrievalPlan) -> None:
         """Called by the engine before each forward with what its layers do with memory (see RetrievalPlan)."""
         self.plan = plan
+
+    def plan_forward(self, retrieve: bool, answering: bool) -> RetrievalPlan:
+        """The plan of this memory's next forward, with the facts every retrieving layer reads (the pinned events, the
+        question's text scores) computed once for the forward, or taken from the last forward while no event was
+        evicted, no pin changed and no question was asked since."""
+        return RetrievalPlan(retrieve=retrieve, answering=answering, pinned=tuple(self.pinned_events()),
+                             text_scores=self.text_scores() if answering and retrieve else None)
 
     def begin_answer(self) -> None:
         """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh. Called by
@@ -369,13 +381,17 @@ class EpisodicMemory:
         self.event_embeddings = fresh if done == 0 else torch.cat([self.event_embeddings, fresh])
 
     def text_scores(self) -> torch.Tensor | None:
-        """[events] cosine of the question with each event's text; None without a question or an embedder."""
+        """[events] cosine of the question with each event's text; None without a question or an embedder. Computed
+        once per eviction and question: an answer's decoding steps reuse it."""
         if self.question_embedding is None or self.text_embedder is None:
             return None
         self.embed_events()
-        if not self.num_events:
-            return torch.zeros(0)
-        return self.event_embeddings @ self.question_embedding
+        made_from, scores = self._text_scores
+        # The embeddings are new tensors whenever a question is asked or events are embedded: identity is the key.
+        if made_from is None or made_from[0] is not self.question_embedding or made_from[1] is not self.event_embeddings:
+            scores = self.event_embeddings @ self.question_embedding if self.num_events else torch.zeros(0)
+            self._text_scores = ((self.question_embedding, self.event_embeddings), scores)
+        return scores
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Record tokens just read and their surprise.
@@ -590,8 +606,13 @@ class EpisodicMemory:
         self.pinned_spans = ()
 
     def pinned_events(self) -> list[int]:
-        """Stored events overlapping a pinned span, in input order (pinned tokens still local need no event)."""
-        return sorted({e for span in self.pinned_spans for e in self.events_overlapping(*span)})
+        """Stored events overlapping a pinned span, in input order (pinned tokens still local need no event);
+        computed once per eviction or change of pins."""
+        key = (self.num_events, self.pinned_spans)
+        if self._pinned[0] != key:
+            events = sorted({e for span in self.pinned_spans for e in self.events_overlapping(*span)})
+            self._pinned = (key, tuple(events))
+        return list(self._pinned[1])
 
     def layers_holding(self, start: int, end: int) -> int:
         """How many layers hold, in their last retrieval, an event overlapping absolute tokens [start, end). A fact
@@ -618,8 +639,11 @@ class EpisodicMemory:
         }
 
     def event_boundaries(self) -> torch.Tensor:
-        """Absolute start positions of all events formed so far (sinks start at 0 and are not an event)."""
-        return self.event_starts + self.config.n_init
+        """Absolute start positions of all events formed so far (sinks start at 0 and are not an event); computed once
+        per eviction (event_starts is a new tensor each time events are added). Read-only: clone to change it."""
+        if self._boundaries[0] is not self.event_starts:
+            self._boundaries = (self.event_starts, self.event_starts + self.config.n_init)
+        return self._boundaries[1]
 
     def close(self, reason: str = "") -> None:
         """Free the memory; ``reason`` (e.g. a forward pass that failed part-way) is shown to later callers."""

@@ -46,6 +46,9 @@ class RetrievalPlan:
     text_scores: torch.Tensor | None = None
     """[e] cosine of the question's embedding with each event's text (answering forwards, for EventText); the same
     for every layer, so computed once per forward by the engine."""
+    pinned: tuple[int, ...] = ()
+    """Stored events overlapping a pinned span (EpisodicMemory.pin), in input order: every retrieving layer puts them
+    first; the same for every layer, so computed once per forward (once per eviction, in fact)."""
 
 
 @dataclass

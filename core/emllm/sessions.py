@@ -16,15 +16,17 @@ generates in its own memory, which is why two conversations can never mix.
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .codec import Prompt
 from .config import EMConfig
-from .engine import EMEngine, Prompt, TextStream, check_sampling
+from .conversation import converse
+from .decoding import GenerationResult, TextStream
+from .engine import EMEngine
 from .memory import EpisodicMemory
 
 _ENGINES: dict[tuple, EMEngine] = {}
@@ -155,7 +157,8 @@ class MemoryPool:
             self._pinned.append(memory)
         return memory, read
 
-    def stream(self, prompt: Prompt, *, progress: bool = False, **sampling: Any) -> TextStream:
+    def stream(self, prompt: Prompt, *, progress: bool = False, tools: list[dict] | None = None,
+               **options: Any) -> TextStream:
         """Generate like EMEngine.stream, starting from the longest checkpoint the prompt extends.
 
         Before the prompt's question (its last paragraph, EMEngine.encode_prompt) a fork is kept (another question
@@ -163,50 +166,14 @@ class MemoryPool:
         extends this prompt); after the answer, the generating memory is kept too (the next turn may extend
         prompt + answer token for token).
         """
-        check_sampling(sampling.get("max_new_tokens", 256), sampling.get("temperature", 0.0),
-                       sampling.get("top_p", 1.0), sampling.get("top_k", 0), seed=sampling.get("seed"),
-                       stop=sampling.get("stop"))  # before any reading, not after
-        if sampling.get("grammar") is not None:
-            self.engine.grammars.check(sampling["grammar"])
-        tools = sampling.pop("tools", None)
-        ids, question_start = self.engine.encode_prompt(prompt, tools)
-        keep = self.engine.tool_listing_end(prompt, tools)
-        holder: dict = {}
-        return TextStream(self._run(ids, question_start, keep, progress, sampling, holder), holder)
+        return converse(self.engine, self.engine.request(prompt, tools=tools, progress=progress, **options),
+                        _PoolPolicy(self))
 
-    def generate(self, prompt: Prompt, **kwargs: Any) -> Any:
+    def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)
         for _ in stream:
             pass
         return stream.result
-
-    def _run(self, ids: list[int], question_start: int | None, keep: int | None, progress: bool, sampling: dict,
-             holder: dict) -> Iterator[str]:
-        memory = self.acquire(ids)
-        reused = memory.total_tokens
-        try:
-            started = time.perf_counter()
-            self.engine.pin_prefix(memory, ids, keep)
-            read = memory.total_tokens
-            if question_start is not None and question_start - read >= memory.config.chunk_size:
-                # The same document is often asked other questions in the same place (an LCEL template with
-                # {document} then {question}): keep the memory that has read up to the question, so the next
-                # question reads only itself. Reading in two calls is the same chunking as one: read() restarts
-                # its chunks at the question anyway.
-                self.engine.read(memory, ids[read:question_start], progress=progress)
-                self.keep(memory.fork())
-            self.engine.read_prompt(memory, ids, question_start, progress=progress)
-            prefill = time.perf_counter() - started
-            self.keep(memory.fork())
-            inner = self.engine.stream(ids, memory=memory, **sampling)
-            yield from inner
-            result = inner.result
-            result.new_input_tokens, result.prefill_seconds = len(ids) - reused, prefill
-            holder["result"] = result
-        except BaseException:
-            memory.close()
-            raise
-        self.keep(memory)
 
     def close(self) -> None:
         """Close every checkpoint (their disk pages are removed)."""
@@ -219,3 +186,25 @@ class MemoryPool:
     @property
     def num_checkpoints(self) -> int:
         return len(self._pinned) + len(self._recent)
+
+
+class _PoolPolicy:
+    """A pool's turn (conversation.MemoryPolicy): fork the longest checkpoint, keep forks at the question and after
+    the prompt, keep the answered memory; a failed or abandoned turn's memory is closed."""
+
+    checkpoints_question = True
+
+    def __init__(self, pool: MemoryPool):
+        self.pool = pool
+
+    def acquire(self, ids: list[int]) -> EpisodicMemory:
+        return self.pool.acquire(ids)
+
+    def checkpoint(self, memory: EpisodicMemory) -> None:
+        self.pool.keep(memory.fork())
+
+    def release(self, memory: EpisodicMemory, answered: bool) -> None:
+        if answered:
+            self.pool.keep(memory)
+        else:
+            memory.close()

@@ -34,7 +34,7 @@ def test_prefill_logits_equal_vanilla(smol_fp32, smol_vanilla, preset):
     memory = engine.new_memory()
     memory.track_surprise = True  # every position's logits (F and full otherwise compute only the last)
     chunk = engine.config.chunk_size
-    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + chunk]), retrieve=True)
+    logits = torch.cat([engine.forward(memory, torch.tensor(ids[i:i + chunk]), retrieve=True)
                         for i in range(0, len(ids), chunk)])
     assert memory.num_events == 0  # nothing evicted: the whole input is in the window
     torch.testing.assert_close(logits, _vanilla_logits(smol_vanilla, ids), rtol=0, atol=2e-4)
@@ -46,7 +46,7 @@ def test_decode_logits_equal_vanilla(smol_fp32, smol_vanilla):
     ids = engine.tokenize(TEXT)[:100]
     memory = engine.new_memory()
     engine.read(memory, ids[:80])
-    steps = [engine._forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[80:]]
+    steps = [engine.forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[80:]]
     torch.testing.assert_close(torch.stack(steps), _vanilla_logits(smol_vanilla, ids)[80:], rtol=0, atol=2e-4)
 
 
@@ -55,7 +55,7 @@ def test_memory_changes_logits_once_tokens_are_evicted(smol_fp32, smol_vanilla):
     engine = make_engine(smol_fp32, "S")
     ids = engine.tokenize(TEXT * 3)[:640]
     memory = engine.new_memory()
-    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True)
+    logits = torch.cat([engine.forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True)
                         for i in range(0, len(ids), 64)])
     assert memory.num_events > 0
     fits = engine.config.n_init + engine.config.n_local
@@ -73,7 +73,7 @@ def test_ordered_positions_with_every_event_retrieved_is_the_vanilla_model(smol_
     ids = engine.tokenize(TEXT * 3)[:640]
     memory = engine.new_memory()
     memory.track_surprise = True
-    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True)
+    logits = torch.cat([engine.forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True)
                         for i in range(0, len(ids), 64)])
     assert memory.num_events > 0 and memory.store.num_tokens > 256  # most of the input went through the memory
     torch.testing.assert_close(logits, _vanilla_logits(smol_vanilla, ids), rtol=0, atol=2e-4)
@@ -92,7 +92,7 @@ def test_qwen_logits_equal_vanilla():
     ids = engine.tokenize("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8)
     ids = ids[:288]
     memory = engine.new_memory()
-    logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + 96]), retrieve=True)
+    logits = torch.cat([engine.forward(memory, torch.tensor(ids[i:i + 96]), retrieve=True)
                         for i in range(0, len(ids), 96)])
     with torch.no_grad():
         reference = vanilla(torch.tensor([ids])).logits[0]

@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from emllm.engine import check_sampling, _find_stop, _safe_length, normalize_messages, sample_token
+from emllm.codec import normalize_messages
+from emllm.decoding import check_sampling, find_stop, safe_length, sample_token
 
 
 def seeded(seed):
@@ -164,40 +165,40 @@ def test_all_whitespace_is_refused_but_one_real_message_is_enough():
 
 # ----------------------------------------------------------------------------- stop strings
 def test_find_stop_hand_cases():
-    assert _find_stop("hello STOP there", ["STOP"], 0) == 6
-    assert _find_stop("hello STOP there", ["STOP", "ello"], 0) == 1  # the earliest of several
-    assert _find_stop("hello there", ["STOP"], 0) is None
-    assert _find_stop("abcSTOP", ["STOP"], 3) == 3      # found right after what was emitted
-    assert _find_stop("abcSTOP", ["STOP"], 5) == 3      # spans the emitted border (emitted held nothing of it)
-    assert _find_stop("STOPxSTOP", ["STOP"], 6) == 5    # an old occurrence inside emitted text is ignored
-    assert _find_stop("anything", [], 0) is None
+    assert find_stop("hello STOP there", ["STOP"], 0) == 6
+    assert find_stop("hello STOP there", ["STOP", "ello"], 0) == 1  # the earliest of several
+    assert find_stop("hello there", ["STOP"], 0) is None
+    assert find_stop("abcSTOP", ["STOP"], 3) == 3      # found right after what was emitted
+    assert find_stop("abcSTOP", ["STOP"], 5) == 3      # spans the emitted border (emitted held nothing of it)
+    assert find_stop("STOPxSTOP", ["STOP"], 6) == 5    # an old occurrence inside emitted text is ignored
+    assert find_stop("anything", [], 0) is None
 
 
 def test_safe_length_holds_back_a_partial_stop():
-    assert _safe_length("hello ST", ["STOP"]) == 6
-    assert _safe_length("hello S", ["STOP"]) == 6
-    assert _safe_length("hello", ["STOP"]) == 5
-    assert _safe_length("hello STO", ["STOP"]) == 6
-    assert _safe_length("STO", ["STOP"]) == 0
-    assert _safe_length("hello", []) == 5
+    assert safe_length("hello ST", ["STOP"]) == 6
+    assert safe_length("hello S", ["STOP"]) == 6
+    assert safe_length("hello", ["STOP"]) == 5
+    assert safe_length("hello STO", ["STOP"]) == 6
+    assert safe_length("STO", ["STOP"]) == 0
+    assert safe_length("hello", []) == 5
 
 
 def test_safe_length_holds_back_a_trailing_replacement_character():
-    assert _safe_length("abc\ufffd", []) == 3
-    assert _safe_length("abc\ufffd\ufffd", []) == 3
-    assert _safe_length("\ufffd", []) == 0
-    assert _safe_length("a\ufffdb", []) == 3  # a replacement character inside the text is final
-    assert _safe_length("abST\ufffd", ["STOP"]) == 2  # both at once
+    assert safe_length("abc\ufffd", []) == 3
+    assert safe_length("abc\ufffd\ufffd", []) == 3
+    assert safe_length("\ufffd", []) == 0
+    assert safe_length("a\ufffdb", []) == 3  # a replacement character inside the text is final
+    assert safe_length("abST\ufffd", ["STOP"]) == 2  # both at once
 
 
 @pytest.mark.parametrize("stops", [["ABC", "BX"], ["BX", "ABC"]])
 def test_safe_length_holds_back_the_longest_partial_match(stops):
-    assert _safe_length("xxAB", stops) == 2
+    assert safe_length("xxAB", stops) == 2
 
 
 @pytest.mark.parametrize("stops", [["ABCD", "CDE"], ["CDE", "ABCD"], ["ABCD", "CX", "BCY"]])
 def test_safe_length_longest_of_overlapping_prefixes(stops):
-    assert _safe_length("zzABC", stops) == 2
+    assert safe_length("zzABC", stops) == 2
 
 
 def stream_with_stops(pieces, stops):
@@ -205,12 +206,12 @@ def stream_with_stops(pieces, stops):
     text, emitted, deltas = "", "", []
     for piece in pieces:
         text += piece
-        cut = _find_stop(text, stops, len(emitted))
+        cut = find_stop(text, stops, len(emitted))
         if cut is not None:
             if cut > len(emitted):
                 deltas.append(text[len(emitted):cut])
             return deltas, text[:cut], True
-        safe = _safe_length(text, stops)
+        safe = safe_length(text, stops)
         assert safe >= len(emitted), "emitted text can never be taken back"
         if safe > len(emitted):
             deltas.append(text[len(emitted):safe])
@@ -281,7 +282,7 @@ def test_nan_temperature_and_float_top_k_are_refused(args, field):
 
 
 def test_fold_system_moves_system_text_into_the_next_user_turn():
-    from emllm.engine import fold_system
+    from emllm.codec import fold_system
 
     folded = fold_system([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                           {"role": "assistant", "content": "Hello"}, {"role": "system", "content": "Late rule."}])
@@ -290,7 +291,7 @@ def test_fold_system_moves_system_text_into_the_next_user_turn():
 
 
 def test_normalize_messages_without_merge_keeps_turns():
-    from emllm.engine import normalize_messages
+    from emllm.codec import normalize_messages
 
     turns = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert normalize_messages(turns, merge=False) == turns

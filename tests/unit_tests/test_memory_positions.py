@@ -18,7 +18,7 @@ def _chunked_logits(engine, ids: list[int]) -> tuple[torch.Tensor, object]:
     memory.track_surprise = True  # every position's logits
     chunk = engine.config.chunk_size
     with torch.no_grad():
-        logits = torch.cat([engine._forward(memory, torch.tensor(ids[i:i + chunk]), retrieve=True)
+        logits = torch.cat([engine.forward(memory, torch.tensor(ids[i:i + chunk]), retrieve=True)
                             for i in range(0, len(ids), chunk)])
     return logits, memory
 
@@ -56,7 +56,7 @@ def test_ordered_decoding_matches_the_vanilla_model_token_by_token():
     memory = engine.new_memory()
     engine.read(memory, ids[:240])
     with torch.no_grad():
-        steps = [engine._forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[240:]]
+        steps = [engine.forward(memory, torch.tensor([t]), retrieve=True)[-1] for t in ids[240:]]
     assert memory.num_events > 5
     torch.testing.assert_close(torch.stack(steps), _vanilla_logits(ids)[240:], rtol=0, atol=1e-4)
     memory.close()

@@ -10,7 +10,7 @@ import torch
 
 from emllm import EMEngine, MemoryPool
 from emllm.scoring import AttentionMass, ForQuestions, Pooled
-from emllm.engine import Rendered
+from emllm.codec import Rendered
 
 from .tiny import Recording, tiny_engine, token_ids
 
@@ -50,14 +50,14 @@ def test_a_texts_question_starts_after_its_last_blank_line():
 
 
 def test_a_tail_longer_than_the_tokens_given_is_compared_from_their_start():
-    # _token_at compares the tail's tokens with the prompt's last ones. Given fewer tokens than the tail has (a
+    # token_at compares the tail's tokens with the prompt's last ones. Given fewer tokens than the tail has (a
     # tokenizer that splits the tail finer than the whole), the comparison must start at the first token, not
     # wrap around to the end: here every token given is the tail's, so there is nothing before it to split off.
     engine = tiny_engine("S")
     text = f"{DOCUMENT}\n\n{QUESTION}"
     tail = engine.tokenize(QUESTION)
-    assert len(tail) == 10 and engine._token_at(Rendered.user_text(text), tail[-6:], len(DOCUMENT) + 2) is None
-    assert engine._token_at(Rendered.user_text(text), engine.tokenize(text), len(DOCUMENT) + 2) == 100
+    assert len(tail) == 10 and engine.codec.token_at(Rendered.user_text(text), tail[-6:], len(DOCUMENT) + 2) is None
+    assert engine.codec.token_at(Rendered.user_text(text), engine.tokenize(text), len(DOCUMENT) + 2) == 100
 
 
 def test_an_encoded_prompt_is_taken_as_it_is_and_answers_as_its_text_does(monkeypatch):
@@ -79,7 +79,7 @@ def test_an_encoded_prompt_is_taken_as_it_is_and_answers_as_its_text_does(monkey
 
 
 def test_a_malformed_encoded_prompt_is_refused_with_the_fix():
-    from emllm.engine import EncodedPrompt
+    from emllm.codec import EncodedPrompt
 
     engine = tiny_engine("S")
     with pytest.raises(ValueError, match="question_start .* must fall inside its 3 ids"):
@@ -123,7 +123,8 @@ def test_one_call_equals_reading_the_document_first_then_asking():
     """The split is exactly the README's two-step recipe: same forwards, so the same retrieval and answer."""
     engine = tiny_engine("S", scorer=Pooled(AttentionMass()))
     text = f"{DOCUMENT}\n\n{QUESTION}"
-    ids, question_start = engine.encode_prompt(text)
+    encoded = engine.encode_prompt(text)
+    ids, question_start = encoded.ids, encoded.question_start
     one_call = engine.new_memory()
     first = engine.generate(text, memory=one_call, max_new_tokens=4)
     two_steps = engine.new_memory()
