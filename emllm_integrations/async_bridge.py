@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -18,7 +18,7 @@ T = TypeVar("T")
 _ITEM, _DONE, _ERROR = "item", "done", "error"
 
 
-async def iterate_in_thread(make: Callable[[], Iterator[T]], *, name: str = "emllm-stream") -> AsyncIterator[T]:
+async def iterate_in_thread(make: Callable[[], Iterator[T]], *, name: str = "emllm-stream") -> AsyncGenerator[T, None]:
     """Yield the items of ``make()`` as a blocking iterator runs in its own thread (named ``name``).
 
     ``make`` is called in that thread too, because even starting may be slow (the first call loads the weights).

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
+from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, ChatResponseGen,
                                               CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen,
                                               LLMMetadata, MessageRole, TextBlock, ToolCallBlock)
@@ -28,7 +29,6 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
-from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import BaseNode, ImageNode, MetadataMode, NodeWithScore, QueryBundle
 from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
@@ -36,8 +36,8 @@ from llama_index.core.storage.docstore.utils import doc_to_json, json_to_doc
 from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool, TextStream
 from emllm.models import check_model
 from emllm.persistence import read_metadata
-from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
 from emllm.sessions import shared_engine, shared_pool
+from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
 
 from .async_bridge import iterate_in_thread
 from .prompts import chat_frame, chat_header, check_template, qa_suffix
@@ -99,26 +99,26 @@ class EMLLM(FunctionCallingLLM):
     ``FunctionAgent`` and ``structured_predict`` work, their calls decoded under a grammar of the tools'
     parameters (emllm.grammar), so arguments always parse."""
 
-    model: Optional[str] = Field(default=None, description="Embedded model name, local HF dir or hub id (org/name); "
+    model: str | None = Field(default=None, description="Embedded model name, local HF dir or hub id (org/name); "
                                                          "None = default.")
-    revision: Optional[str] = Field(default=None, description="A hub id's branch, tag or commit.")
-    token: Optional[str] = Field(default=None, exclude=True, repr=False,
+    revision: str | None = Field(default=None, description="A hub id's branch, tag or commit.")
+    token: str | None = Field(default=None, exclude=True, repr=False,
                                  description="Hub token for private or gated models (else HF_TOKEN or a login).")
     preset: str = Field(default=DEFAULT_PRESET, description="EM-LLM preset: S, SM, SC, S+C, SM+C, F, FM, FC or full.")
     temperature: float = Field(default=0.0, description="0 = greedy.")
     max_tokens: int = Field(default=256, description="Tokens to generate per call (LLMMetadata.num_output).")
     top_p: float = 1.0
     top_k: int = 0
-    seed: Optional[int] = None
-    stop: Optional[List[str]] = None
+    seed: int | None = None
+    stop: list[str] | None = None
     dtype: Any = Field(default="auto", description="'auto' (bf16 where fast), 'float32', 'bfloat16', ...")
-    device: Optional[str] = None
+    device: str | None = None
     progress: bool = Field(default=False, description="Show progress bars while loading and reading.")
-    engine_fields: Dict[str, Any] = Field(default_factory=dict, description="EMConfig overrides, by field name.")
+    engine_fields: dict[str, Any] = Field(default_factory=dict, description="EMConfig overrides, by field name.")
 
     _config: EMConfig = PrivateAttr()
-    _pool: Optional[MemoryPool] = PrivateAttr(default=None)
-    _engine: Optional[EMEngine] = PrivateAttr(default=None)
+    _pool: MemoryPool | None = PrivateAttr(default=None)
+    _engine: EMEngine | None = PrivateAttr(default=None)
 
     def __init__(self, model: str | None = None, preset: str = DEFAULT_PRESET, temperature: float = 0.0,
                  max_tokens: int = 256, *, engine: EMEngine | None = None, **kwargs: Any):
@@ -231,11 +231,11 @@ class EMLLM(FunctionCallingLLM):
         return self._stream_complete_body(prompt, formatted, self._options(kwargs))
 
     def _complete_body(self, prompt: str, formatted: bool, options: dict[str, Any]) -> CompletionResponse:
-        text = prompt if formatted else self.completion_to_prompt(prompt)
+        text = prompt if formatted else self.completion_to_prompt(prompt)  # type: ignore[misc]  # LLM sets it, never None
         return _completion(self.pool.generate(text, **options))
 
     def _stream_complete_body(self, prompt: str, formatted: bool, options: dict[str, Any]) -> CompletionResponseGen:
-        text = prompt if formatted else self.completion_to_prompt(prompt)
+        text = prompt if formatted else self.completion_to_prompt(prompt)  # type: ignore[misc]  # LLM sets it, never None
         return _cumulative(self.pool.stream(text, **options), _completion)
 
     # ------------------------------------------------------------------ chat (the model's chat template)
@@ -249,8 +249,9 @@ class EMLLM(FunctionCallingLLM):
 
     def _chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponse:
         last = None
-        for last in self._stream_chat_body(messages, options):
-            pass
+        for response in self._stream_chat_body(messages, options):
+            last = response
+        assert last is not None  # _chat_stream always ends with a response (the one with the token counts)
         return last
 
     def _stream_chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponseGen:
@@ -345,7 +346,7 @@ def _chat_stream(stream: TextStream, tool_names: set[str]) -> ChatResponseGen:
                            raw={"usage": counts, "generation": result} if result is not None else None)
 
 
-def _cumulative(stream: TextStream, respond: Callable[..., Any]) -> Iterator[Any]:
+def _cumulative(stream: TextStream, respond: Callable[..., Any]) -> Generator[Any, None, None]:
     """LlamaIndex streams carry the new piece (delta) and the whole text so far (text)."""
     so_far = ""
     for delta, result in deltas_with_result(stream):
@@ -389,7 +390,7 @@ def node_texts(nodes: Sequence[BaseNode], metadata_mode: MetadataMode = Metadata
 class EMLLMRetriever(BaseRetriever):
     """EMLLMQueryEngine.as_retriever(): nodes by where the memory's answer looks, not by embedding similarity."""
 
-    def __init__(self, query_engine: "EMLLMQueryEngine", max_tokens: int = 16, **kwargs: Any):
+    def __init__(self, query_engine: EMLLMQueryEngine, max_tokens: int = 16, **kwargs: Any):
         sampling_options(max_tokens, 0.0, 1.0, 0, None, None)
         super().__init__(**kwargs)
         self._query_engine, self._max_tokens = query_engine, max_tokens
@@ -410,16 +411,16 @@ class EMLLMQueryEngine(CustomQueryEngine):
     frame tends to continue the document instead of answering. ``"text"`` is the raw ``prompts.qa_suffix`` frame,
     for models without a usable chat template. ``spans`` are positions in the prompt, past the turn's header."""
 
-    nodes: List[BaseNode] = Field(description="The documents, in the order they were read.")
-    spans: List[Tuple[int, int]] = Field(description="Each document's token span [start, end) in the context.")
+    nodes: list[BaseNode] = Field(description="The documents, in the order they were read.")
+    spans: list[tuple[int, int]] = Field(description="Each document's token span [start, end) in the context.")
     model: str = DEFAULT_MODEL
     streaming: bool = False
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: Optional[int] = None
-    stop: Optional[List[str]] = None
+    seed: int | None = None
+    stop: list[str] | None = None
     progress: bool = False
     template: str = "chat"
 
@@ -433,7 +434,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
 
     @classmethod
     def from_documents(cls, documents: Sequence[BaseNode], model: str | None = None, preset: str = DEFAULT_PRESET,
-                       **kwargs: Any) -> "EMLLMQueryEngine":
+                       **kwargs: Any) -> EMLLMQueryEngine:
         """Whole documents, not chunks: the memory, not a retriever, decides what is relevant."""
         return cls.from_nodes(documents, model=model, preset=preset, **kwargs)
 
@@ -444,7 +445,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
                    progress: bool = False, dtype: Any = "auto", device: str | None = None,
                    revision: str | None = None, token: str | None = None, engine: EMEngine | None = None,
                    metadata_mode: MetadataMode = MetadataMode.NONE, template: str = "chat",
-                   **engine_fields: Any) -> "EMLLMQueryEngine":
+                   **engine_fields: Any) -> EMLLMQueryEngine:
         """Read the nodes (in order) into a new episodic memory; ``engine_fields`` are EMConfig fields. ``model`` is
         as EMLLM's (a hub id with ``revision``/``token``), or ``engine=EMEngine(model, tokenizer)`` for a model
         already loaded.
@@ -490,7 +491,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
             return chat_frame(self._pool.engine, question)[1]
         return self._pool.engine.tokenize(qa_suffix(question))
 
-    def as_retriever(self, max_tokens: int = 16, **kwargs: Any) -> "EMLLMRetriever":
+    def as_retriever(self, max_tokens: int = 16, **kwargs: Any) -> EMLLMRetriever:
         """A retriever over the read documents, for chat engines (CondensePlusContextChatEngine): a query is
         answered briefly and the documents that answer attended to are its nodes, scored by their share."""
         return EMLLMRetriever(self, max_tokens=max_tokens, **kwargs)
@@ -504,12 +505,17 @@ class EMLLMQueryEngine(CustomQueryEngine):
                                  attribute=True, **options), len(suffix)
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        if not self.streaming:
+            return self._answer(query_str)
         stream, question_tokens = self._start(query_str)
-        if self.streaming:
-            sources: list[NodeWithScore] = []
-            metadata: dict[str, Any] = {}
-            return StreamingResponse(response_gen=self._stream_into(stream, question_tokens, sources, metadata),
-                                     source_nodes=sources, metadata=metadata)
+        sources: list[NodeWithScore] = []
+        metadata: dict[str, Any] = {}
+        return StreamingResponse(response_gen=self._stream_into(stream, question_tokens, sources, metadata),
+                                 source_nodes=sources, metadata=metadata)
+
+    def _answer(self, query_str: str) -> Response:
+        """custom_query's answer when not streaming: the whole text, with its sources."""
+        stream, question_tokens = self._start(query_str)
         for _ in stream:
             pass
         sources, metadata = self._describe(stream.result, question_tokens)
@@ -518,18 +524,18 @@ class EMLLMQueryEngine(CustomQueryEngine):
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         """Like custom_query, with the reading and generating in a worker thread (the event loop stays free)."""
         if not self.streaming:
-            return await asyncio.to_thread(self.custom_query, query_str)
+            return await asyncio.to_thread(self._answer, query_str)
         self.question_ids(query_str)  # a bad question fails here, not at the first delta
         sources: list[NodeWithScore] = []
         metadata: dict[str, Any] = {}
 
-        def start() -> Iterator[str]:
+        def start() -> Generator[str, None, None]:
             stream, question_tokens = self._start(query_str)
             return self._stream_into(stream, question_tokens, sources, metadata)
         return AsyncStreamingResponse(response_gen=iterate_in_thread(start), source_nodes=sources, metadata=metadata)
 
     def _stream_into(self, stream: TextStream, question_tokens: int, sources: list[NodeWithScore],
-                     metadata: dict[str, Any]) -> Iterator[str]:
+                     metadata: dict[str, Any]) -> Generator[str, None, None]:
         """Yield the answer's deltas; once it is complete, fill the response's ``sources`` and ``metadata`` in place
         (they are known only once the answer began, so a streaming response has them when the stream is done)."""
         for delta, result in deltas_with_result(stream):
@@ -583,7 +589,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
                     device: str | None = None, revision: str | None = None, token: str | None = None,
                     engine: EMEngine | None = None, max_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
-                    streaming: bool = False, progress: bool = False) -> "EMLLMQueryEngine":
+                    streaming: bool = False, progress: bool = False) -> EMLLMQueryEngine:
         """A query engine over documents saved by save(): the memory is loaded and verified, nothing is re-read."""
         documents = read_metadata(path).get("llama_index")
         if not isinstance(documents, dict) or documents.get("kind") != SAVE_KIND:

@@ -90,7 +90,7 @@ PEAK_TOKENS = 32
 """How many of a document's most-attended tokens make its attention score (attention_shares)."""
 
 
-def attention_shares(spans: Sequence[tuple[int, int]], attention: "torch.Tensor | None") -> list[float]:
+def attention_shares(spans: Sequence[tuple[int, int]], attention: torch.Tensor | None) -> list[float]:
     """Per document, its share of the answer's attention to the documents (GenerationResult.attention: local
     window, sinks and retrieved events alike), each document scored by its PEAK_TOKENS most-attended tokens. An
     answer's attention to its source is concentrated on the passage it draws from, while diffuse attention reaches

@@ -13,7 +13,8 @@ from .sessions import MemoryPool, shared_engine
 from .storage import StorageFullError
 
 __all__ = ["DEFAULT_PRESET", "PRESETS", "ConfigError", "EMConfig", "EMEngine", "GenerationResult", "Inspection",
-           "MemoryMismatchError", "TextStream", "Grammar", "GrammarError", "EpisodicMemory", "RetrievedEvent", "MemoryPool", "shared_engine",
-           "MemoryFileError", "load_memory", "save_memory", "DEFAULT_MODEL", "EMBEDDED_MODELS",
-           "ModelNotAvailableError", "UnsupportedModelError", "load_model", "model_fingerprint", "StorageFullError",
-           "scoring", "Scorer", "Representatives", "AttentionMass", "ForQuestions", "Pooled", "RetrievalPlan"]
+           "MemoryMismatchError", "TextStream", "Grammar", "GrammarError", "EpisodicMemory", "RetrievedEvent",
+           "MemoryPool", "shared_engine", "MemoryFileError", "load_memory", "save_memory", "DEFAULT_MODEL",
+           "EMBEDDED_MODELS", "ModelNotAvailableError", "UnsupportedModelError", "load_model", "model_fingerprint",
+           "StorageFullError", "scoring", "Scorer", "Representatives", "AttentionMass", "ForQuestions", "Pooled",
+           "RetrievalPlan"]

@@ -198,19 +198,19 @@ class EMConfig:
     # ------------------------------------------------------------------ derived values
     @property
     def contiguity_tokens(self) -> int:
-        return int(round(self.n_mem * self.contiguity))
+        return round(self.n_mem * self.contiguity)
 
     @property
     def similarity_tokens(self) -> int:
         return self.n_mem - self.contiguity_tokens
 
-    def replace(self, **changes: Any) -> "EMConfig":
+    def replace(self, **changes: Any) -> EMConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_preset(cls, preset: str = DEFAULT_PRESET, **overrides: Any) -> "EMConfig":
+    def from_preset(cls, preset: str = DEFAULT_PRESET, **overrides: Any) -> EMConfig:
         """A preset by the paper's name, with any field overridden by keyword."""
-        key = _PRESET_ALIASES.get(preset.strip().upper().replace(" ", ""), None) if isinstance(preset, str) else None
+        key = _PRESET_ALIASES.get(preset.strip().upper().replace(" ", "")) if isinstance(preset, str) else None
         if key is None:
             raise ConfigError(f"Unknown preset {preset!r}. Choose one of: {', '.join(PRESETS)}.")
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
@@ -255,12 +255,14 @@ def reference_markdown() -> str:
     so the page cannot drift from the code (tests/unit_tests/test_config_reference.py compares them)."""
     import ast
     import inspect
+    import itertools
     import textwrap
 
-    body = ast.parse(textwrap.dedent(inspect.getsource(EMConfig))).body[0].body
+    class_def = ast.parse(textwrap.dedent(inspect.getsource(EMConfig))).body[0]
+    assert isinstance(class_def, ast.ClassDef)
     docs = {node.target.id: " ".join(next_node.value.value.split())
-            for node, next_node in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(next_node, ast.Expr)
+            for node, next_node in itertools.pairwise(class_def.body)
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(next_node, ast.Expr)
             and isinstance(next_node.value, ast.Constant) and isinstance(next_node.value.value, str)}
     defaults = EMConfig()
     rows = [f"| `{f.name}` | `{getattr(defaults, f.name)!r}` | {docs.get(f.name, '')} |"

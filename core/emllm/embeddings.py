@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+
 class EmbeddingNotAvailableError(RuntimeError):
     """A known embedding model whose packages are not installed; the message says what to install."""
 
@@ -90,7 +91,7 @@ def _mpnet_parts() -> list[pathlib.Path]:
             missing.append(dist_name)
             continue
         piece = next((f for f in dist.files or [] if str(f).endswith(f".zip.{i:03d}")), None)
-        path = pathlib.Path(dist.locate_file(piece)) if piece is not None else None
+        path = pathlib.Path(str(dist.locate_file(piece))) if piece is not None else None
         if path is None or not path.is_file():
             missing.append(dist_name)
         else:
@@ -184,7 +185,7 @@ def load_embedding_model(name: Any = "minilm", device: str | None = None) -> Any
         if key not in _MODELS:
             model = SentenceTransformer(str(path), device=device, local_files_only=True)
             limit = _position_limit(model)
-            if limit > model.max_seq_length:
+            if model.max_seq_length is not None and limit > model.max_seq_length:
                 model.max_seq_length = limit  # see the module docstring: 300 words do not fit 256 pieces
                 model.tokenizer.model_max_length = limit
             _MODELS[key] = model

@@ -34,14 +34,14 @@ class Grammar:
     what: str  # for error messages: "the JSON schema 'Joke'", "the tool calls"
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any], name: str = "response") -> "Grammar":
+    def json_schema(cls, schema: dict[str, Any], name: str = "response") -> Grammar:
         """The answer is one JSON value valid for ``schema`` (a dict), written compactly."""
         _check_schema(schema, name)
         return cls(f"start: answer\nanswer: %json {_json_with_style(schema)}", f"the JSON schema {name!r}")
 
     @classmethod
     def tool_calls(cls, tools: list[dict[str, Any]], call_open: str, call_close: str, *,
-                   required: bool) -> "Grammar":
+                   required: bool) -> Grammar:
         """One or more ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes format, as
         Qwen2.5's template asks for), each naming one of ``tools`` (OpenAI function dicts) with arguments valid for
         its parameters. required=False also allows plain text first (or only): the model chooses whether to call.
@@ -103,14 +103,15 @@ class GrammarCompiler:
         from llguidance import LLMatcher
 
         if not isinstance(grammar, Grammar):
-            raise TypeError(f"grammar must be an emllm Grammar (Grammar.json_schema(...)), got {type(grammar).__name__}.")
+            raise TypeError("grammar must be an emllm Grammar (Grammar.json_schema(...)), "
+                            f"got {type(grammar).__name__}.")
         error = LLMatcher.validate_grammar(grammar.lark, self._ll_tokenizer())
         if error:
             raise GrammarError(f"{grammar.what} cannot be enforced by the constrained decoder: "
                                f"{error.strip().splitlines()[0]}. Remove or rewrite that part of the schema "
                                "(e.g. 'not' has no equivalent; use an enum or a pattern).")
 
-    def constraint(self, grammar: Grammar) -> "GrammarConstraint":
+    def constraint(self, grammar: Grammar) -> GrammarConstraint:
         return GrammarConstraint(self._ll_tokenizer(), grammar, self.vocab_size)
 
 

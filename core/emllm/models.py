@@ -178,10 +178,7 @@ def check_supported(config: PretrainedConfig | Mapping[str, Any] | str | os.Path
     """
     if isinstance(config, (str, os.PathLike)):
         config = _read_config_json(pathlib.Path(config))
-    if isinstance(config, Mapping):
-        model_type = config.get("model_type")
-    else:
-        model_type = getattr(config, "model_type", None)
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
     if not model_type or str(model_type).lower() not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported by EM-LLM: its attention must run through "
@@ -332,7 +329,8 @@ def _hub_offline() -> bool:
 def _hub_cached(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
+    cache = None if cache_dir is None else os.fspath(cache_dir)  # the hub's signature takes str or Path
+    found = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision)
     return isinstance(found, str)
 
 
@@ -350,7 +348,7 @@ def hub_snapshot(repo_id: str, *, revision: str | None = None, token: str | bool
     key = (repo_id, revision, None if cache_dir is None else os.fspath(cache_dir), constants.HF_HUB_CACHE)
     if key in _HUB_RESOLVED and _HUB_RESOLVED[key].is_dir():
         return _HUB_RESOLVED[key]
-    where = dict(revision=revision, token=token, cache_dir=cache_dir)
+    where: dict[str, Any] = {"revision": revision, "token": token, "cache_dir": cache_dir}
     try:
         check_supported(pathlib.Path(hf_hub_download(repo_id, "config.json", **where)).parent)
         folder = pathlib.Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES, **where))
@@ -569,7 +567,7 @@ def _convert_gguf(
 
     # transformers tags a GGUF-loaded model as quantized and then refuses (or mangles) save_pretrained;
     # the weights are already plain float32 tensors, so drop the tag.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # from_pretrained sets it; transformers declares no type
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _prepare_tokenizer(tokenizer, fallback_template=_CHATML_TEMPLATE)
@@ -664,7 +662,8 @@ def _device_or_default(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device {device!r} is not a device torch knows ({error}); use 'cpu' or 'cuda'.") from None
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asks for CUDA, but this torch ({torch.__version__}) has no usable CUDA "
-                         "device: use device='cpu' (or None), or install a CUDA build of torch on a machine with a GPU.")
+                         "device: use device='cpu' (or None), or install a CUDA build of torch on a machine with a "
+                         "GPU.")
     return chosen
 
 
@@ -727,7 +726,7 @@ def load_model(
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if device_map is None:
-        hf_model.to(device)
+        hf_model.to(device)  # type: ignore[arg-type]  # @wraps(Module.to) hides the bound self from mypy
     prepare_loaded(hf_model, tokenizer)
     return hf_model, tokenizer
 

@@ -38,7 +38,7 @@ import struct
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import safetensors.torch
@@ -49,12 +49,16 @@ from .memory import EpisodicMemory
 from .scoring import scorer_from_names, scorer_from_spec, scorer_to_spec
 from .storage import PageStore, StorageFullError, process_alive
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+T = TypeVar("T")  # _split's items
 
 
 class EngineLike(Protocol):
     """What saving and loading use of an EMEngine (named structurally, so this module does not import the engine)."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     model_name: str
     shape: Any
     config: EMConfig
@@ -94,7 +98,7 @@ class MemoryFileError(ValueError):
 
 
 # ====================================================================== saving
-def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: "EngineLike",
+def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: EngineLike,
                 metadata: dict[str, Any] | None = None) -> Path:
     """Save everything ``memory`` has read into the directory ``path`` (replaced atomically if it holds a save).
 
@@ -228,7 +232,7 @@ def _kv_chunks(store: PageStore, pages: int) -> Iterator[memoryview]:
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data  # the array's buffer, as a memoryview
 
 
 def _safetensors_header(name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> bytes:
@@ -256,7 +260,7 @@ def _spec(dtype: torch.dtype, shape: list[int]) -> dict[str, Any]:
     return {"dtype": str(dtype).removeprefix("torch."), "shape": [int(s) for s in shape]}
 
 
-def _manifest(memory: EpisodicMemory, engine: "EngineLike", files: dict, kv_pages: int,
+def _manifest(memory: EpisodicMemory, engine: EngineLike, files: dict, kv_pages: int,
               metadata: dict[str, Any]) -> dict[str, Any]:
     from . import models
 
@@ -279,7 +283,7 @@ def _manifest(memory: EpisodicMemory, engine: "EngineLike", files: dict, kv_page
             "local_start": memory.local_start, "sinks_split": memory.sinks_split,
             "track_surprise": memory.track_surprise, "pinned_spans": [list(span) for span in memory.pinned_spans],
             "contiguity_entries": files[STATE_FILE]["tensors"]["contiguity_ids"]["shape"][0],
-            "retrieved_entries": sum(len(l.retrieved_ids) for l in memory.layers),
+            "retrieved_entries": sum(len(layer.retrieved_ids) for layer in memory.layers),
             "last_logits": None if logits is None else _spec(logits.dtype, list(logits.shape)),
             "kv_pages": kv_pages, "kv_page_tokens": memory.store.page_tokens,
         },
@@ -386,7 +390,7 @@ def _tidy_siblings(target: Path) -> None:
 
 
 # ====================================================================== loading
-def load_memory(path: str | os.PathLike, engine: "EngineLike", *, config: EMConfig | None = None) -> EpisodicMemory:
+def load_memory(path: str | os.PathLike, engine: EngineLike, *, config: EMConfig | None = None) -> EpisodicMemory:
     """Load a memory saved by save_memory into a new memory of ``engine``; it answers exactly as the saved one.
 
     The saved config is restored; only the placement fields (page_tokens, ram_budget_mb, device_budget_mb,
@@ -428,7 +432,7 @@ def _identity(target: Path) -> tuple[int, int] | None:
     return info.st_dev, info.st_ino
 
 
-def _load_once(target: Path, engine: "EngineLike", config: EMConfig | None) -> EpisodicMemory:
+def _load_once(target: Path, engine: EngineLike, config: EMConfig | None) -> EpisodicMemory:
     _tidy_siblings(target)
     if not target.is_dir():
         raise MemoryFileError(f"No saved memory at {target}: " + ("it is a file, not a directory."
@@ -489,7 +493,7 @@ def _read_manifest(target: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_model(manifest: dict[str, Any], engine: "EngineLike", target: Path) -> None:
+def _check_model(manifest: dict[str, Any], engine: EngineLike, target: Path) -> None:
     from . import models
 
     saved = manifest["model"]
@@ -514,7 +518,7 @@ def _check_model(manifest: dict[str, Any], engine: "EngineLike", target: Path) -
                               "the same model in the same dtype it was saved with.")
 
 
-def _restore_config(manifest: dict[str, Any], engine: "EngineLike", config: EMConfig | None,
+def _restore_config(manifest: dict[str, Any], engine: EngineLike, config: EMConfig | None,
                     target: Path) -> EMConfig:
     saved = _current_config_fields({**ADDED_FIELDS, **manifest["config"]}, target)
     names = {f.name for f in dataclasses.fields(EMConfig)}
@@ -542,7 +546,8 @@ def _restore_config(manifest: dict[str, Any], engine: "EngineLike", config: EMCo
 
 def _current_config_fields(saved: dict[str, Any], target: Path) -> dict[str, Any]:
     """The saved config in today's fields: the scorer rebuilt from its description (or from the retrieval_scoring
-    and retrieval_pooling names files of earlier releases hold), removed fields dropped if they hold a value that can still be read."""
+    and retrieval_pooling names files of earlier releases hold), removed fields dropped if they hold a value that
+    can still be read."""
     saved = dict(saved)
     try:
         if "scorer" in saved:
@@ -666,7 +671,7 @@ def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMCon
                               f"{'; '.join(problems)}.")
 
 
-def _state_dict(state: dict[str, torch.Tensor], info: dict, engine: "EngineLike") -> dict[str, Any]:
+def _state_dict(state: dict[str, torch.Tensor], info: dict, engine: EngineLike) -> dict[str, Any]:
     """The file's tensors and the manifest's scalars as EpisodicMemory.state_dict() gives them."""
     last_logits = None
     if "last_logits" in state:
@@ -675,6 +680,7 @@ def _state_dict(state: dict[str, torch.Tensor], info: dict, engine: "EngineLike"
     counts = state["contiguity_counts"].tolist()
     contiguity = _split(list(zip(state["contiguity_ids"].tolist(), state["contiguity_sizes"].tolist())), counts)
     retrieved = _split(state["retrieved_ids"].tolist(), state["retrieved_counts"].tolist())
+    layers: list[dict[str, Any]]  # tensors and lists by name: the union of the two dicts would be dict[str, object]
     layers = [{name: state[name][i] for name in ("window_keys", "window_values", "window_rotated", "window_scores",
                                                   "sink_keys", "sink_values", "representatives")}
               | {"contiguity": contiguity[i], "retrieved_ids": retrieved[i], "retrievals": int(state["retrievals"][i])}
@@ -688,8 +694,9 @@ def _state_dict(state: dict[str, torch.Tensor], info: dict, engine: "EngineLike"
             "pinned_spans": [tuple(span) for span in info.get("pinned_spans", [])], "layers": layers}
 
 
-def _split(flat: list[int], counts: list[int]) -> list[list[int]]:
-    out, start = [], 0
+def _split(flat: list[T], counts: list[int]) -> list[list[T]]:
+    out: list[list[T]] = []
+    start = 0
     for n in counts:
         out.append(flat[start:start + n])
         start += n

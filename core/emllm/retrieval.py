@@ -140,7 +140,7 @@ class ContiguityBuffer:
     def __init__(self, budget: int, neighbours: int = 1):
         self.budget = budget
         self.neighbours = neighbours
-        self._queue: "OrderedDict[int, int]" = OrderedDict()  # event id -> size
+        self._queue: OrderedDict[int, int] = OrderedDict()  # event id -> size
 
     def entries(self) -> list[tuple[int, int]]:
         """(event id, size) oldest first: the queue's whole state, for saving and forking."""
@@ -169,7 +169,7 @@ class ContiguityBuffer:
         return [e for e in self._queue if e not in chosen]
 
 
-def gather_events(memory: "EpisodicMemory", layer: "LayerMemory",
+def gather_events(memory: EpisodicMemory, layer: LayerMemory,
                   event_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored keys and values [kv, n, d] of these events for one layer, events in the order given."""
     ids = torch.tensor(event_ids, dtype=torch.long)

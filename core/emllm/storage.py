@@ -48,12 +48,18 @@ _NUMPY_VIEW = {torch.bfloat16: (torch.int16, np.int16), torch.float16: (torch.fl
 
 @dataclass
 class _Tier:
-    device: torch.device | None  # None = disk
+    device: torch.device
     budget_bytes: float          # inf = unlimited
-    pages: "OrderedDict[int, torch.Tensor]"  # LRU order: oldest first
+    pages: OrderedDict[int, torch.Tensor]  # LRU order: oldest first
     used_bytes: int = 0
     held_bytes: int = 0          # what the memory holds here besides pages (its event index), counted in the budget
     index_warned: bool = False   # the index alone outgrew the budget and the user was told
+
+
+@dataclass
+class _Disk:
+    budget_bytes: float                    # inf = unlimited
+    pages: OrderedDict[int, torch.Tensor]  # the pages written to disk, each an empty tensor as a marker
 
 
 class _Folder:
@@ -140,7 +146,7 @@ class PageStore:
         if device.type != "cpu":
             self.tiers.append(_Tier(device, budget(device_budget_mb), OrderedDict()))
         self.tiers.append(_Tier(torch.device("cpu"), budget(ram_budget_mb), OrderedDict()))
-        self.disk = _Tier(None, budget(disk_budget_mb), OrderedDict())
+        self.disk = _Disk(budget(disk_budget_mb), OrderedDict())
         self._offload_root = offload_dir
         self._folder: _Folder | None = None          # where this store writes pages
         # page id -> (folder kept alive, path, byte offset of the array's data after the .npy header)
@@ -159,12 +165,14 @@ class PageStore:
             page_id, offset = divmod(self.num_tokens, self.page_tokens)
             if offset == 0:
                 self._tail = torch.empty(self.page_shape, dtype=self.dtype, device=self.tiers[0].device)
+            tail = self._tail
+            assert tail is not None  # a part-filled page is always the tail
             take = min(n - done, self.page_tokens - offset)
-            self._tail[:, :, offset:offset + take].copy_(kv[:, :, done:done + take])
+            tail[:, :, offset:offset + take].copy_(kv[:, :, done:done + take])
             done += take
             self.num_tokens += take
             if offset + take == self.page_tokens:  # sealed: from now on it lives in the tiers
-                self._put(0, page_id, self._tail)
+                self._put(0, page_id, tail)
                 self._tail = None
 
     # ------------------------------------------------------------------ reading
@@ -332,7 +340,7 @@ class PageStore:
             with open(tmp, "wb") as handle:
                 np.lib.format.write_array_header_1_0(handle, np.lib.format.header_data_from_array_1_0(array))
                 data_offset = handle.tell()
-                handle.write(memoryview(array).cast("B"))  # plain write(): keeps errno (numpy's tofile does not)
+                handle.write(array.data.cast("B"))  # plain write(): keeps errno (numpy's tofile does not)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, path)
@@ -433,14 +441,14 @@ class PageStore:
         """The folder this store writes its pages to (None until the first page goes to disk)."""
         return None if self._folder is None else self._folder.path
 
-    def fork(self) -> "PageStore":
+    def fork(self) -> PageStore:
         """An independent store with the same content. Sealed pages are shared (they never change); only the
         page being filled is copied. Budgets count shared pages in every store that holds them."""
         self._check_open()
         child = copy.copy(self)
         child.tiers = [_Tier(t.device, t.budget_bytes, OrderedDict(t.pages), t.used_bytes, t.held_bytes)
                        for t in self.tiers]
-        child.disk = _Tier(None, self.disk.budget_bytes, OrderedDict(self.disk.pages))
+        child.disk = _Disk(self.disk.budget_bytes, OrderedDict(self.disk.pages))
         child._disk_files = dict(self._disk_files)
         child._folder = None  # the child writes its own files; it keeps the parent's folder alive via _disk_files
         child._tail = None if self._tail is None else self._tail.clone()
@@ -489,7 +497,7 @@ def release_freed_memory() -> None:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A contiguous tensor's memory as writable bytes."""
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return tensor.view(torch.uint8).numpy().data.cast("B")
 
 
 def _pread_into(fd: int, buffer: memoryview, offset: int) -> None:

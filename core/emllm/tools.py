@@ -14,6 +14,7 @@ user turns in ``<tool_response>`` tags; the model's answer is parsed the same wa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -102,10 +103,8 @@ def parse_call(body: str) -> ToolCall | InvalidToolCall:
         return InvalidToolCall(body.strip(), 'not an object with a "name" string')
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(arguments, dict):
         return InvalidToolCall(body.strip(), '"arguments" is not a JSON object', value["name"])
     return ToolCall(value["name"], arguments)
@@ -132,7 +131,10 @@ def parse_reply(text: str) -> ParsedReply:
 
 
 def _add(reply: ParsedReply, call: ToolCall | InvalidToolCall) -> None:
-    (reply.calls if isinstance(call, ToolCall) else reply.invalid).append(call)
+    if isinstance(call, ToolCall):
+        reply.calls.append(call)
+    else:
+        reply.invalid.append(call)
 
 
 class CallStream:

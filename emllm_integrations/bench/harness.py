@@ -3,6 +3,7 @@ cell in this process (``run_cell``), a row per question."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -37,7 +38,7 @@ def run_bench(tasks: Sequence[str] = RULER_TASKS, methods: Sequence[str] = DEFAU
               engine_fields: dict[str, Any] | None = None, full_max_tokens: int = FULL_MAX_TOKENS,
               isolate: bool = True, threads: int | None = None, progress: bool = True,
               questions: int = DEFAULT_QUESTIONS, concurrent: int = 1, done: Sequence[dict[str, Any]] = (),
-              on_cell: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+              on_cell: Callable[[list[dict[str, Any]]], object] | None = None) -> list[dict[str, Any]]:
     """Run every task x method x length x depth (x question) and return one row per question (keys ROW_FIELDS).
 
     ``engine_fields`` (e.g. ``n_local=1024, n_mem=1024``, or ``ram_budget_mb``/``offload_dir`` for inputs that do
@@ -164,7 +165,7 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
             answered = []  # the rows this item got before any failure
 
             def emit_answer(row: dict[str, Any]) -> None:
-                answered.append(row)
+                answered.append(row)  # noqa: B023  (called only within this iteration, by _answer_rag below)
                 emit(row)
 
             try:
@@ -221,7 +222,7 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
 
 
 def _ask_all(engine: Any, memory: Any, item: TaskItem, context_ids: list[int],
-             settings: BenchSettings) -> Iterator[tuple[list[int], Any]]:
+             settings: BenchSettings) -> Generator[tuple[list[int], Any], None, None]:
     """(prompt ids, generation) for each of the item's questions, in order, each continuing from the memory that
     read the context: a fork of it when more questions follow (the answer's tokens would otherwise be read into it
     and the next prompt would not extend it)."""
@@ -241,7 +242,7 @@ def _ask_all(engine: Any, memory: Any, item: TaskItem, context_ids: list[int],
     return _in_order(ask, item.questions, settings.concurrent)
 
 
-def _in_order(ask: Callable[[Any], Any], questions: Sequence[Any], concurrent: int) -> Iterator[Any]:
+def _in_order(ask: Callable[[Any], Any], questions: Sequence[Any], concurrent: int) -> Generator[Any, None, None]:
     """ask(question) for each question, yielded in order. With ``concurrent`` > 1 that many run at once in threads,
     whose decoding steps the engine batches into shared forwards (emllm.batching); an error ends the iteration,
     and closing it returns once the questions already begun have ended (those not begun never start)."""
@@ -341,7 +342,8 @@ def _child_env() -> dict[str, str]:
     import emllm
     import emllm_integrations
 
-    roots = [str(pathlib.Path(package.__file__).resolve().parents[1]) for package in (emllm, emllm_integrations)]
+    roots = [str(pathlib.Path(inspect.getfile(package)).resolve().parents[1])
+             for package in (emllm, emllm_integrations)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(roots + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                               if p]))

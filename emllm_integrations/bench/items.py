@@ -47,9 +47,12 @@ def task_items(task: str, length: int, settings: BenchSettings,
         docs = [first.asking_at(depth) for depth in settings.depths]
         return [TaskItem(task, (docs[0].context,), tuple((d.question, d.answer, d.depth, d.answer_lead)
                                                          for d in docs))]
-    build = {"passkey": builders.passkey_document, "needle": builders.needle_document}[task]
+    haystacks: dict[str, Callable[..., builders.PasskeyDocument | builders.NeedleDocument]] = {
+        "passkey": builders.passkey_document, "needle": builders.needle_document}
+    build = haystacks[task]
     items = []
     for depth in settings.depths:  # one haystack, a needle (with its own answer) per depth: see read_each
-        doc = build(length, depth, count_tokens, seed=document_seed(settings.seed, task, length, depth))
-        items.append(TaskItem(task, (doc.context,), ((doc.question, doc.answer, depth, doc.answer_lead),)))
+        haystack = build(length, depth, count_tokens, seed=document_seed(settings.seed, task, length, depth))
+        items.append(TaskItem(task, (haystack.context,),
+                              ((haystack.question, haystack.answer, depth, haystack.answer_lead),)))
     return items

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def read_each(engine: EMEngine, documents: Sequence[Sequence[int]],
-              config: EMConfig | None = None) -> Iterator[tuple[EpisodicMemory, float]]:
+              config: EMConfig | None = None) -> Generator[tuple[EpisodicMemory, float], None, None]:
     """For each document in turn, a memory of ``engine`` (``config``: as engine.new_memory takes it) that has read
     exactly it, and the seconds a separate read costs.
 

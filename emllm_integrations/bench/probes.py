@@ -57,6 +57,7 @@ def multidoc_probes(engine: EMEngine, tokens: int, depths: list[float]) -> Probe
     context_ids = engine.tokenize(context)
     questions = []
     for question, answer, depth, lead in item.questions:
+        assert isinstance(answer, str)  # multidoc asks one fact per question
         fact = f"{lead} {answer}."  # the fact sentence, stated in exactly one document (tasks.MULTIDOC_FACT)
         where = context.index(fact)
         questions.append(Probe(depth, answer, context_ids + engine.tokenize(probe_suffix(question, lead)),

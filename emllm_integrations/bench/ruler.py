@@ -483,7 +483,7 @@ def variable_tracking(num_tokens: int, count_tokens: Callable[[str], int], *, qu
         value = unique.draw(_chain_value, "value")
         names = [unique.draw(_variable_name, "variable name") for _ in range(CHAIN_HOPS + 1)]
         links = [VT_FIRST.format(name=names[0], value=value)]
-        links += [VT_HOP.format(name=name, previous=previous) for previous, name in zip(names, names[1:])]
+        links += [VT_HOP.format(name=name, previous=previous) for previous, name in itertools.pairwise(names)]
         inserts += [_Insert(depth, link, q) for depth, link in zip(_window(rng, anchor, len(links)), links)]
         asked.append((VT_QUESTION.format(value=value), tuple(names)))
     return _haystack_document("variable_tracking", num_tokens, count_tokens, VT_INSTRUCTION, NOISE, inserts, asked)

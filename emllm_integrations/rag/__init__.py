@@ -37,11 +37,12 @@ from typing import Any
 
 import faiss
 
-from ..checks import CONTEXT_ORDERS, check_documents, check_order, check_positive, check_question
-from ..prompts import chat_frame, format_context, qa_prompt, qa_suffix
 # The embedding names are re-exported: callers (the bench harness among them) use them as rag.<name>.
 from emllm.embeddings import (EMBEDDINGS, MPNET_INSTALL, MPNET_PARTS, EmbeddingNotAvailableError, encode,
-                         load_embedding_model, mpnet_dir, resolve_embedding)
+                              load_embedding_model, mpnet_dir, resolve_embedding)
+
+from ..checks import CONTEXT_ORDERS, check_documents, check_order, check_positive, check_question
+from ..prompts import chat_frame, format_context, qa_prompt, qa_suffix
 
 __all__ = ["CHUNK_WORDS", "CONTEXT_ORDERS", "EMBEDDINGS", "MPNET_INSTALL", "MPNET_PARTS", "TOP_K", "Chunk",
            "EmbeddingNotAvailableError", "RAGAnswer", "RAGBaseline", "WordSpan", "check_documents", "encode",

@@ -29,7 +29,7 @@ class RAGRetriever(BaseRetriever):
     @classmethod
     def from_texts(cls, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any]] | None = None, *,
                    embedding: Any = "minilm", chunk_words: int = CHUNK_WORDS, top_k: int = TOP_K,
-                   **kwargs: Any) -> "RAGRetriever":
+                   **kwargs: Any) -> RAGRetriever:
         baseline = RAGBaseline(embedding, chunk_words, top_k, **kwargs)
         baseline.add_documents(texts, metadatas)
         return cls(baseline=baseline)
@@ -61,7 +61,9 @@ def rag_chain(retriever: BaseRetriever, llm: Runnable, *, context_order: str = "
     The prompt is the shared raw-text QA template (prompts.qa_prompt) as a StringPromptValue: a chat model sees
     it as one user message, a plain LLM or runnable as text."""
     check_order(context_order)
-    fmt = RunnableLambda(lambda docs: format_documents(docs, context_order)).with_config(run_name="format_context")
-    prompt = RunnableLambda(lambda x: StringPromptValue(text=qa_prompt(x["context"], x["question"])))
-    return (RunnableParallel(context=retriever | fmt, question=RunnablePassthrough())
+    fmt: Runnable[Sequence[Document], str] = RunnableLambda(lambda docs: format_documents(docs, context_order))
+    prompt: Runnable[dict[str, Any], StringPromptValue] = RunnableLambda(
+        lambda x: StringPromptValue(text=qa_prompt(x["context"], x["question"])))
+    return (RunnableParallel(context=retriever | fmt.with_config(run_name="format_context"),
+                             question=RunnablePassthrough())
             | prompt.with_config(run_name="qa_prompt") | llm | StrOutputParser())

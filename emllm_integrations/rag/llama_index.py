@@ -17,13 +17,15 @@ from llama_index.core.node_parser.interface import TextSplitter
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.response_synthesizers import ResponseMode
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.vector_stores.faiss import FaissVectorStore
+
+from emllm.embeddings import encode, load_embedding_model
 
 from ..checks import check_order, check_positive
 from ..prompts import QA_SUFFIX
 from . import CHUNK_WORDS, TOP_K, split_words
-from emllm.embeddings import encode, load_embedding_model
 
 
 class SentenceTransformerEmbedding(BaseEmbedding):
@@ -34,7 +36,8 @@ class SentenceTransformerEmbedding(BaseEmbedding):
     _model: Any = PrivateAttr()
 
     def __init__(self, model_name: str = "minilm", device: str | None = None, **kwargs: Any):
-        super().__init__(model_name=str(model_name), device=device, **kwargs)
+        # pydantic takes this class's fields here; mypy checks them against BaseEmbedding's
+        super().__init__(model_name=str(model_name), device=device, **kwargs)  # type: ignore[call-arg]
         self._model = load_embedding_model(model_name, device=device)
 
     @classmethod
@@ -87,7 +90,7 @@ class DocumentOrder(BaseNodePostprocessor):
         def key(item: tuple[int, NodeWithScore]) -> tuple[int, int]:
             i, n = item
             if n.node.ref_doc_id in self.doc_rank:
-                return self.doc_rank[n.node.ref_doc_id], n.node.start_char_idx or 0
+                return self.doc_rank[n.node.ref_doc_id], getattr(n.node, "start_char_idx", None) or 0
             return len(self.doc_rank), i
 
         return [n for _, n in sorted(enumerate(nodes), key=key)]
@@ -153,11 +156,11 @@ def rag_query_engine(documents: Sequence[Any] | VectorStoreIndex, llm: Any, *, e
     else:
         docs = to_llama_documents(documents)
         index = rag_index(docs, embedding=embedding, chunk_words=chunk_words)
-    postprocessors = []
+    postprocessors: list[BaseNodePostprocessor] = []
     if context_order == "document":
         ranks = {d.doc_id: i for i, d in enumerate(docs)} if docs is not None else \
             {ref: i for i, ref in enumerate(index.ref_doc_info)}
         postprocessors.append(DocumentOrder(doc_rank=ranks))
     return RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=top_k), llm=llm,
-                                          node_postprocessors=postprocessors, response_mode=response_mode,
+                                          node_postprocessors=postprocessors, response_mode=ResponseMode(response_mode),
                                           text_qa_template=qa_template())
