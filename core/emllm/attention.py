@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedModel
 
 ATTENTION_NAME = "emllm"
 
@@ -31,7 +33,7 @@ event representatives. All queries would double the cost of attention; a sample 
 
 
 def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_values: torch.Tensor,
-                       q_memory: torch.Tensor | None, memory_keys: torch.Tensor, memory_values: torch.Tensor,
+                       q_memory: torch.Tensor | None, memory_keys: torch.Tensor | None, memory_values: torch.Tensor,
                        scaling: float, memory_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over [memory part | local window], computed as fused pieces merged by their log-sum-exp.
 
@@ -50,7 +52,7 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
     # The memory part runs first, so the window's keys are still in cache when attention_received reads them next
     # (a chunk's; decoding steps are summed later, LayerMemory.defer_received); the parts merge in a fixed order.
     memory_part = None
-    if q_memory is not None:
+    if q_memory is not None and memory_keys is not None:
         memory_part = _grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
                                heads, q)
     parts = []
@@ -69,7 +71,7 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     """[kv, window] the attention probability each window key received from a strided sample of the queries (the
     last always among them), summed over the sample and the query heads sharing the key: what picks an event's
     representative tokens. q_local [1, heads, q, d], keys [1, kv, window, d], lse [1, heads, q] from the attention."""
-    _, heads, q, d = q_local.shape
+    _, heads, q, _ = q_local.shape
     kv_heads, window = keys.shape[1], keys.shape[2]
     if q == 1:  # a decoding step: its one query sees the whole window
         return received_by_steps(q_local[0, :, 0][None], keys[0], lse[0, :, 0][None],
@@ -216,7 +218,7 @@ def efficient_bias(bias: torch.Tensor, heads: int, queries: int, dtype: torch.dt
     return row.view(1, 1, 1, -1)[..., :keys].expand(1, heads, queries, keys)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_supported(device: torch.device) -> bool:
     """Whether this CUDA device runs flash attention (Ampere, compute capability 8.0, or later)."""
     return torch.cuda.get_device_capability(device)[0] >= 8
@@ -252,7 +254,7 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor
     # Pairwise logaddexp, not a stacked logsumexp: the same sums in a third of the small ops (a decoding step
     # merges 2 parts per layer and conversation, where each op's dispatch costs more than its arithmetic).
     lse = functools.reduce(torch.logaddexp, [p[1] for p in parts])                # [1, heads, q]
-    out = functools.reduce(torch.add, [o.float() * torch.exp(l - lse)[..., None] for o, l in parts])
+    out = functools.reduce(torch.add, [o.float() * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts])
     return out.to(parts[0][0].dtype), lse
 
 
@@ -281,6 +283,12 @@ def _identity_rotation(module: torch.nn.Module, args: tuple, output: tuple[torch
     return torch.ones_like(cos), torch.zeros_like(sin)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers in order (``model.model.layers`` in every supported family)."""
+    inner: Any = getattr(model, "model", model)  # the decoder stack; transformers types it as a plain Module
+    return list(inner.layers)
+
+
 def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder's shared rotary embedding (``model.model.rotary_emb`` in Llama, Mistral, Qwen2/3, Phi-3)."""
     inner = getattr(model, "model", model)
@@ -291,7 +299,7 @@ def find_rotary_module(model: torch.nn.Module) -> torch.nn.Module:
     return rotary
 
 
-def install(model: torch.nn.Module, layer_attention) -> torch.nn.Module:
+def install(model: PreTrainedModel, layer_attention: Callable[..., Any]) -> torch.nn.Module:
     """Route the model's attention through ``layer_attention`` (forward.layer_attention, which transformers then
     calls in place of each layer's attention); returns the model's rotary module (for the tables).
 
@@ -301,7 +309,7 @@ def install(model: torch.nn.Module, layer_attention) -> torch.nn.Module:
     rotary = find_rotary_module(model)
     if not getattr(rotary, "_emllm_identity", False):
         rotary.register_forward_hook(_identity_rotation)
-        rotary._emllm_identity = True
+        setattr(rotary, "_emllm_identity", True)  # noqa: B010 (a flag on a torch module, not one of its fields)
     model.config._attn_implementation = ATTENTION_NAME
     for sub in model.modules():  # some layers keep their own reference to a (sub-)config
         cfg = getattr(sub, "config", None)

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
+
+from .attention import decoder_layers
 
 MAX_ROWS = 8
 """Most conversations one forward decodes; more wait for the next forward. Eight rows of a 0.5B model still cost
@@ -127,7 +130,7 @@ class StepBatcher:
             self._cond.notify_all()
 
 
-def row_block(model: torch.nn.Module, most: int = MAX_ROWS) -> int | None:
+def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
     """The row multiple from which the model's linear layers give every row the same result whatever the batch:
     decoding forwards padded to a multiple of it (up to ``most`` rows) give a row what it would get alone. None
     where no such multiple exists up to ``most``.
@@ -138,7 +141,7 @@ def row_block(model: torch.nn.Module, most: int = MAX_ROWS) -> int | None:
     from 2 rows on. One row in 16-bit weights is never trusted: a single row takes a matrix-vector kernel whose
     rounding differs from the matrix kernels' only near a bf16 rounding boundary (1 element in 896 on a real
     activation, none in the probe's random ones), so a probe cannot see it, yet it changed greedy answers."""
-    linears = [m for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]
     linears.append(model.get_output_embeddings())
     if linears[-1].weight.device.type != "cpu":
         # Measured on an H200 (Llama-3.1-8B shape, bf16): the probe found a block of 2, yet 4 of 8 conversations

@@ -49,7 +49,7 @@ class Rendered(NamedTuple):
     roles: tuple[str, ...] = ()
 
     @classmethod
-    def user_text(cls, text: str) -> "Rendered":
+    def user_text(cls, text: str) -> Rendered:
         return cls(text, ((0, len(text), True),))
 
 
@@ -65,7 +65,7 @@ class EncodedPrompt(NamedTuple):
         """How many of the first tokens list the tools (the first pinned span's end), or None without tools."""
         return self.pinned[0][1] if self.pinned and self.pinned[0][0] == 0 else None
 
-    def checked(self) -> "EncodedPrompt":
+    def checked(self) -> EncodedPrompt:
         if not isinstance(self.ids, list) or not self.ids or not all(isinstance(i, int) for i in self.ids):
             raise TypeError("An EncodedPrompt's ids are a non-empty list of token ids: make it with "
                             "EMEngine.encode_prompt(prompt).")
@@ -133,9 +133,9 @@ class PromptCodec:
                ) -> Rendered:
         """The conversation as text, which of its characters are the messages' (tokenised as text) and which the
         template's (whose control-token strings are control tokens), and where each turn begins: one render."""
-        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-            if not template_carries_tools(self.tokenizer):
-                messages, tools = plain_tool_messages(messages, tools), None
+        uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if uses_tools and not template_carries_tools(self.tokenizer):
+            messages, tools = plain_tool_messages(messages, tools), None
         template = getattr(self.tokenizer, "chat_template", None)
         if template is None:
             return plain_render(messages, add_generation_prompt)  # "role: content" lines, no control tokens at all
@@ -206,10 +206,11 @@ class PromptCodec:
         "<|im_start|>user\\n"), probed once per role; None where the probe's template refuses or merges turns."""
         if role not in self._headers:
             call = {"type": "function", "function": {"name": "f", "arguments": {}}}
-            before: list[Message] = {
+            openings: dict[str, list[Message]] = {
                 "user": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
                 "tool": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": [call]}],
-            }.get(role, [{"role": "user", "content": "a"}])
+            }
+            before = openings.get(role, [{"role": "user", "content": "a"}])
             marker = "\ue000"
             try:
                 first = self.render_plain(before)
@@ -251,15 +252,15 @@ class PromptCodec:
         if isinstance(prompt, dict) or not isinstance(prompt, Iterable):
             raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
                             f"got {type(prompt).__name__}.")
-        prompt = list(prompt)
-        if not prompt:
+        items: list[Any] = list(prompt)
+        if not items:
             raise ValueError("The prompt is empty: pass text, a non-empty list of messages, or token ids.")
-        if all(isinstance(p, int) for p in prompt):
-            return prompt
-        if all(isinstance(p, dict) for p in prompt):
-            return self.chat_ids(prompt)
+        if all(isinstance(p, int) for p in items):
+            return items
+        if all(isinstance(p, dict) for p in items):
+            return self.chat_ids(items)
         raise TypeError("A prompt is a string, a list of {'role', 'content'} messages, or a list of token ids; "
-                        f"got a list of {sorted({type(p).__name__ for p in prompt})}.")
+                        f"got a list of {sorted({type(p).__name__ for p in items})}.")
 
     def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> EncodedPrompt:
         """The prompt's ids, where its question starts and its pinned spans, from one render.
@@ -278,13 +279,14 @@ class PromptCodec:
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)
             return EncodedPrompt(ids, self.token_at(Rendered.user_text(prompt), ids, last_paragraph(prompt, 0)))
+        items: Any = prompt
         if isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, dict)):
-            prompt = list(prompt)  # a generator is walked once, here
-        if not (isinstance(prompt, list) and prompt and all(isinstance(p, dict) for p in prompt)):
+            items = list(prompt)  # a generator is walked once, here
+        if not (isinstance(items, list) and items and all(isinstance(p, dict) for p in items)):
             if tools:
                 raise ValueError("Tools are listed in a chat: pass the prompt as a list of messages, not text or ids.")
-            return EncodedPrompt(self.prompt_ids(prompt), None)  # token ids, or refused there with the reason
-        rendered = self.render(normalize_messages(prompt, merge=False), True, tools)
+            return EncodedPrompt(self.prompt_ids(items), None)  # token ids, or refused there with the reason
+        rendered = self.render(normalize_messages(items, merge=False), True, tools)
         ids = self.ids(rendered)
         last_turn = rendered.turns[-1] if rendered.turns and rendered.turns[-1] is not None else 0
         question_start = self.token_at(rendered, ids, last_paragraph(rendered.text, last_turn))

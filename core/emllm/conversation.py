@@ -63,7 +63,7 @@ class OwnMemory:
 
     checkpoints_question = False
 
-    def __init__(self, engine: "EMEngine", memory: EpisodicMemory | None):
+    def __init__(self, engine: EMEngine, memory: EpisodicMemory | None):
         self.engine, self.memory = engine, memory
 
     def acquire(self, ids: list[int]) -> EpisodicMemory:
@@ -77,13 +77,13 @@ class OwnMemory:
             memory.close()
 
 
-def converse(engine: "EMEngine", request: Request, policy: MemoryPolicy) -> TextStream:
+def converse(engine: EMEngine, request: Request, policy: MemoryPolicy) -> TextStream:
     """Answer a checked request in a memory the policy supplies; a TextStream of the answer's text deltas."""
     holder: dict = {}
     return TextStream(_turn(engine, request, policy, holder), holder)
 
 
-def _turn(engine: "EMEngine", request: Request, policy: MemoryPolicy, holder: dict) -> Iterator[str]:
+def _turn(engine: EMEngine, request: Request, policy: MemoryPolicy, holder: dict) -> Iterator[str]:
     prompt, settings, progress = request
     ids, question_start = prompt.ids, prompt.question_start
     memory = policy.acquire(ids)

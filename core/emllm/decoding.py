@@ -93,6 +93,8 @@ def decode(memory: EpisodicMemory, settings: Decoding, *, tokenizer: Any, eos_id
     emitted, text, finish = "", "", "length"
     for index in range(settings.max_new_tokens):
         logits = memory.last_logits
+        if logits is None:
+            raise RuntimeError("decode() starts from the logits of a read prompt: read the prompt first.")
         if constraint is not None:
             logits = constraint.mask(logits)
         if not settings.allow_empty and not text.strip():

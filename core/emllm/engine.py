@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedModel
 
 from . import attention, persistence
 from .batching import StepBatcher, release_thread_workers, row_block
@@ -53,7 +54,7 @@ class Inspection:
 
 
 class EMEngine:
-    def __init__(self, model: torch.nn.Module, tokenizer: Any, config: EMConfig | None = None, *,
+    def __init__(self, model: PreTrainedModel, tokenizer: Any, config: EMConfig | None = None, *,
                  model_name: str = "model"):
         prepare_loaded(model, tokenizer)  # any loaded model: an unsupported family is refused here
         self.model, self.tokenizer = model, tokenizer
@@ -72,27 +73,30 @@ class EMEngine:
             config.validate_for_model(self.shape.max_positions, self.shape.num_layers)
         self._config_fits = config is not None
         rotary = attention.find_rotary_module(model)
-        self.layer_devices = [next(layer.parameters()).device for layer in model.model.layers]
+        self.layer_devices = [next(layer.parameters()).device for layer in attention.decoder_layers(model)]
         table_size = self.config.rope_positions() if self.config.attention == "episodic" else self.shape.max_positions
         self._rotary = rotary
         self._ropes = {d: RotaryTable.from_rotary_module(rotary, table_size, self.shape.dtype, d)
                        for d in dict.fromkeys(self.layer_devices)}
         attention.install(model, layer_attention)
-        self.input_device = model.get_input_embeddings().weight.device
+        embeddings: Any = model.get_input_embeddings()  # an nn.Embedding, typed as a plain Module by transformers
+        self.input_device: torch.device = embeddings.weight.device
+        self.vocab_size = int(embeddings.num_embeddings)  # ids at or past it are refused (_check_ids)
         self.store_device = self.layer_devices[0]
         self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.codec = PromptCodec(tokenizer)  # prompts to token ids, one template render per call
-        self._memories: "weakref.WeakSet[EpisodicMemory]" = weakref.WeakSet()
-        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)  # llguidance, on first use
+        self._memories: weakref.WeakSet[EpisodicMemory] = weakref.WeakSet()
+        # llguidance, compiled on first use
+        self.grammars = GrammarCompiler(tokenizer, int(model.config.vocab_size), self.eos_ids)
         self.batcher = StepBatcher(self._step)  # concurrent generations decode their tokens in one forward
-        self._row_block: int | None | bool = False  # batching.row_block, probed at the first decoding step
+        self._row_block: int | bool | None = False  # batching.row_block, probed at the first decoding step
         release_thread_workers()  # the load's idle OpenMP workers would slow other threads' forwards (batching.py)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, *, preset: str | None = None, config: EMConfig | None = None,
                         dtype: torch.dtype | str = "auto", device: str | None = None,
                         device_map: str | dict | None = None, revision: str | None = None,
-                        token: str | bool | None = None, progress: bool = True, **overrides: Any) -> "EMEngine":
+                        token: str | bool | None = None, progress: bool = True, **overrides: Any) -> EMEngine:
         """Load a model and give it an episodic memory: None = the embedded default, an embedded name, a local
         directory, or a hub id (huggingface_hub's cache; ``revision`` and ``token`` as in transformers). A model
         already loaded goes straight to ``EMEngine(model, tokenizer, config)``.
@@ -101,8 +105,9 @@ class EMEngine:
         """
         from .models import DEFAULT_MODEL, load_model
 
-        if config is None and (preset is not None or overrides):  # None of both: the default, checked on use
-            config = EMConfig.from_preset(preset or DEFAULT_PRESET, **overrides)
+        if config is None:
+            if preset is not None or overrides:  # None of both: the default, checked on use
+                config = EMConfig.from_preset(preset or DEFAULT_PRESET, **overrides)
         elif overrides:
             config = config.replace(**overrides)
         hf_model, tokenizer = load_model(model, dtype=dtype, device=device, device_map=device_map, revision=revision,
@@ -135,11 +140,11 @@ class EMEngine:
         embedder = TextEmbedder(name, device=str(self.store_device))
         return lambda id_lists: embedder.embed(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True))
 
-    def save_memory(self, memory: EpisodicMemory, path: "str | os.PathLike", metadata: dict | None = None) -> Any:
+    def save_memory(self, memory: EpisodicMemory, path: str | os.PathLike, metadata: dict | None = None) -> Any:
         """Write a memory to a directory atomically (safetensors + a checked manifest); see persistence.py."""
         return persistence.save_memory(memory, path, engine=self, metadata=metadata)
 
-    def load_memory(self, path: "str | os.PathLike", config: EMConfig | None = None) -> EpisodicMemory:
+    def load_memory(self, path: str | os.PathLike, config: EMConfig | None = None) -> EpisodicMemory:
         """A memory saved by save_memory, verified (version, model, shapes, checksums) before anything is used."""
         memory = persistence.load_memory(path, self, config=config)
         memory.on_fork = self._memories.add
@@ -275,8 +280,8 @@ class EMEngine:
             position = next(i for i, token in enumerate(ids) if type(token) is not int)
             raise TypeError(f"Token ids are integers; position {position} holds {ids[position]!r} "
                             f"({type(ids[position]).__name__}).")
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if ids and not (0 <= min(ids) and max(ids) < vocab):
+        vocab = self.vocab_size
+        if ids and not (min(ids) >= 0 and max(ids) < vocab):
             outside = [i for i, token in enumerate(ids) if not 0 <= token < vocab]  # only to name them
             raise ValueError(f"Token id {ids[outside[0]]} at position {outside[0]} ({len(outside)} such ids) is "
                              f"outside this model's vocabulary [0, {vocab}): use ids from this model's tokenizer.")
@@ -318,10 +323,10 @@ class EMEngine:
         block = self._row_block or 1
         padding = -len(memories) % block
         plans = [memory.plan_forward(retrieve=True, answering=True) for memory in memories]
-        self._forward_rows(memories + [None] * padding, torch.tensor(tokens + tokens[:1] * padding)[:, None],
+        self._forward_rows([*memories, *[None] * padding], torch.tensor(tokens + tokens[:1] * padding)[:, None],
                            plans, keep=1)
 
-    def _forward_rows(self, memories: list[EpisodicMemory], ids: torch.Tensor, plans: list[RetrievalPlan],
+    def _forward_rows(self, memories: Sequence[EpisodicMemory | None], ids: torch.Tensor, plans: list[RetrievalPlan],
                       keep: int) -> torch.Tensor:
         """ids [rows, q], row i read into memories[i] under plans[i] (a None memory is a padding row: it attends to
         nothing and its logits are dropped); returns the logits [rows, q or keep, vocab]."""

@@ -33,9 +33,10 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         raise ValueError(f"emllm attention needs one episodic memory per row: got {query.shape[0]} rows and "
                          f"{len(memories)} memories; give each conversation its own EpisodicMemory.")
     scaling = query.shape[3] ** -0.5 if scaling is None else scaling
+    layer_index: int = getattr(module, "layer_idx")  # noqa: B009 (set by transformers on every attention module)
     if len(memories) == 1:
-        return memory_attention(module.layer_idx, query, key, value, memories[0], scaling), None
-    rows = [memory_attention(module.layer_idx, query[row:row + 1], key[row:row + 1], value[row:row + 1], memory,
+        return memory_attention(layer_index, query, key, value, memories[0], scaling), None
+    rows = [memory_attention(layer_index, query[row:row + 1], key[row:row + 1], value[row:row + 1], memory,
                              scaling) if memory is not None else torch.zeros_like(query[row:row + 1]).transpose(1, 2)
             for row, memory in enumerate(memories)]  # None: a padding row (EMEngine._step), attending to nothing
     return torch.cat(rows), None
@@ -61,7 +62,7 @@ def memory_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor, v
         retrieving = memory.plan.retrieve and layer.index.size
         # Retrieval ranks with the query at the fixed memory distance under either position rule.
         q_fixed = group_heads(rope.rotate_at(query, memory.config.n_local), kv_heads) if fixed or retrieving else None
-        if retrieving:
+        if retrieving and q_fixed is not None:
             retrieve(layer, memory, q_fixed[0], scaling)                                 # q_fixed [1, kv, g*q, d]
         if fixed:
             q_memory, memory_keys = q_fixed, layer.memory_keys
@@ -92,7 +93,7 @@ def attribute_token(memory: EpisodicMemory, layer: LayerMemory, q_local: torch.T
     lse = lse[0, :, 0].view(kv_heads, -1)                                                 # [kv, groups]
     mass = [attention_given(group_heads(q_local, kv_heads)[0], keys[0], lse, scaling)]   # [window]
     positions = [torch.arange(memory.local_start, memory.local_start + window)]
-    if q_memory is not None:
+    if q_memory is not None and memory_keys is not None:
         mass.append(attention_given(q_memory[0], memory_keys[0], lse, scaling, bias))   # [sinks + retrieved]
         positions.append(memory.memory_positions(layer))
     memory.attribute(torch.cat(positions), torch.cat([m.cpu() for m in mass]))

@@ -199,6 +199,8 @@ class LayerMemory:
         if not event_ids:
             self.memory_keys, self.memory_values = self.sink_keys, self.sink_values
             return
+        if keys is None or values is None:
+            raise ValueError("set_retrieved needs the events' keys and values when it is given events to hold.")
         self.memory_keys = torch.cat([self.sink_keys, keys], dim=1)
         self.memory_values = torch.cat([self.sink_values, values], dim=1)
 
@@ -230,7 +232,7 @@ class LayerMemory:
             self.key_copy_length = n
         return self.key_copy[:, :n]
 
-    def share_key_copy(self, other: "LayerMemory") -> None:
+    def share_key_copy(self, other: LayerMemory) -> None:
         """Use other's key copy (a fork's parent): the parent only writes past its own length, which this layer
         never reads, and this layer copies the buffer before it writes (key_copy_owned)."""
         self.key_copy, self.key_copy_length, self.key_copy_owned = other.key_copy, other.key_copy_length, False
@@ -274,7 +276,7 @@ def event_representatives(keys: torch.Tensor, scores: torch.Tensor, starts: torc
     longest one so all are handled in one topk, padding scored -inf and excluded from the mean. ``longest``: the
     largest size where the caller knows it (sizes on a GPU would otherwise be read back to find it).
     """
-    kv, n, d = keys.shape
+    kv, _, d = keys.shape
     e, longest = starts.shape[0], int(sizes.max()) if longest is None else longest
     offsets = torch.arange(longest, device=keys.device)                       # [longest]
     token = starts[:, None] + offsets[None, :]                                # [e, longest]
@@ -322,7 +324,7 @@ class EpisodicMemory:
         self.text_embedder: Callable[[list[list[int]]], torch.Tensor] | None = None
         self.event_embeddings = torch.empty(0, 0)               # [events embedded so far, dim] each event's text
         self.question_embedding: torch.Tensor | None = None     # [dim] the current prompt's question
-        self.on_fork = None  # set by the engine so forks are closed with it
+        self.on_fork: Callable[[EpisodicMemory], None] | None = None  # set by the engine: forks close with it
         # Facts that change only when events are evicted, pins change or a question is asked, kept for every forward
         # (and every layer of it) until then: (what they were computed from, the fact).
         self._boundaries: tuple[torch.Tensor | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.long))
@@ -388,7 +390,8 @@ class EpisodicMemory:
         self.embed_events()
         made_from, scores = self._text_scores
         # The embeddings are new tensors whenever a question is asked or events are embedded: identity is the key.
-        if made_from is None or made_from[0] is not self.question_embedding or made_from[1] is not self.event_embeddings:
+        if made_from is None or made_from[0] is not self.question_embedding \
+                or made_from[1] is not self.event_embeddings:
             scores = self.event_embeddings @ self.question_embedding if self.num_events else torch.zeros(0)
             self._text_scores = ((self.question_embedding, self.event_embeddings), scores)
         return scores
@@ -487,7 +490,7 @@ class EpisodicMemory:
                                                 config.max_block_size, last_is_open=True)
 
     # ------------------------------------------------------------------ forking
-    def fork(self) -> "EpisodicMemory":
+    def fork(self) -> EpisodicMemory:
         """An independent memory that has read exactly what this one has: reading into either never changes the
         other. Evicted pages are shared (they are immutable), so a fork costs a copy of the local windows and
         indexes, not of the evicted KV: a document read once can be questioned many times."""
@@ -546,7 +549,7 @@ class EpisodicMemory:
                 layer.set_retrieved(layer.retrieved_ids, *gather_events(self, layer, layer.retrieved_ids))
         self.count_index_in_budgets()
 
-    def memory_positions(self, layer: "LayerMemory") -> torch.Tensor:
+    def memory_positions(self, layer: LayerMemory) -> torch.Tensor:
         """[sinks + retrieved tokens] the absolute position of each key in the layer's memory part, in its order
         (the sinks, then the retrieved events' tokens in the order held)."""
         sinks = torch.arange(layer.sink_keys.shape[1])
@@ -557,12 +560,15 @@ class EpisodicMemory:
 
     def attribute(self, positions: torch.Tensor, mass: torch.Tensor) -> None:
         """Add attention ``mass`` [n] given to absolute ``positions`` [n] to this answer's attribution."""
+        if self.attribution is None:
+            raise RuntimeError("attribute() records an answer's attention: set memory.attribution (a zero tensor of "
+                               "the positions) first, as EMEngine.stream(attribute=True) does.")
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.attribution.shape[0]:
             self.attribution = torch.cat([self.attribution, torch.zeros(needed - self.attribution.shape[0])])
         self.attribution.index_add_(0, positions, mass.float().cpu())
 
-    def retrieved_events(self) -> list["RetrievedEvent"]:
+    def retrieved_events(self) -> list[RetrievedEvent]:
         """The events the layers currently hold in attention (the last retrieval), as absolute token spans with
         the number of layers that retrieved each: what the next generated token can see from memory."""
         counts: dict[int, int] = {}

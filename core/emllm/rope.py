@@ -26,7 +26,7 @@ class RotaryTable:
 
     @classmethod
     def from_rotary_module(cls, rotary: torch.nn.Module, max_positions: int, dtype: torch.dtype,
-                           device: torch.device) -> "RotaryTable":
+                           device: torch.device) -> RotaryTable:
         """Ask the model's rotary module for every position once (it computes in fp32, then casts).
 
         ``forward`` is called directly so the identity hook that attention.install adds does not apply.

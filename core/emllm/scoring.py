@@ -20,9 +20,11 @@ Pins (EpisodicMemory.pin) are applied by the retriever around whatever scorer th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 import torch
 
@@ -55,11 +57,11 @@ class RetrievalPlan:
 class ScoringStep:
     """Everything a scorer may read to score one layer's events in one forward."""
 
-    layer: "LayerMemory"
+    layer: LayerMemory
     queries: torch.Tensor       # [kv, rows, d] the forward's queries, rotated at the fixed memory distance
     scaling: float              # the model's attention scaling (1/sqrt(d) unless the model says otherwise)
     event_sizes: torch.Tensor   # [e] tokens per stored event
-    store: "PageStore"
+    store: PageStore
     plan: RetrievalPlan
     candidates: int | None      # only this many best events need exact scores; None: every event's score
 
@@ -154,7 +156,7 @@ class Pooled:
         standard = standardise(self.inner.score(dataclasses.replace(step, candidates=None)))
         pool = step.plan.pool
         fresh = pool is None or pool.shape != standard.shape
-        step.plan.pool = standard if fresh else pool.to(standard.device) + standard
+        step.plan.pool = standard if pool is None or fresh else pool.to(standard.device) + standard
         return step.plan.pool
 
 
@@ -212,7 +214,7 @@ class Fused:
     def score(self, step: ScoringStep) -> torch.Tensor:
         exact = dataclasses.replace(step, candidates=None)
         weights = self.weights or (1.0,) * len(self.parts)
-        return sum(w * standardise(p.score(exact)) for p, w in zip(self.parts, weights))
+        return functools.reduce(operator.add, [w * standardise(p.score(exact)) for p, w in zip(self.parts, weights)])
 
 
 def standardise(scores: torch.Tensor) -> torch.Tensor:
@@ -302,7 +304,8 @@ def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:
     if BUILT_IN.get(name) is not type(scorer):
         raise TypeError(f"{name} is not one of emllm's scorers ({', '.join(BUILT_IN)}): a memory using it cannot be "
                         "saved, because loading could not rebuild it. Compose the built-in scorers instead.")
-    return {"type": name, **{f.name: _field_to_spec(getattr(scorer, f.name)) for f in dataclasses.fields(scorer)}}
+    fields = dataclasses.fields(cast(Any, scorer))  # every built-in scorer is a dataclass
+    return {"type": name, **{f.name: _field_to_spec(getattr(scorer, f.name)) for f in fields}}
 
 
 def _field_to_spec(value: Any) -> Any:

@@ -55,11 +55,11 @@ def shared_engine(model: str | None = None, *, dtype: torch.dtype | str = "auto"
         return engine
 
 
-_POOLS: dict[tuple, "MemoryPool"] = {}
+_POOLS: dict[tuple, MemoryPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def shared_pool(engine: EMEngine, config: EMConfig, max_memories: int = 4) -> "MemoryPool":
+def shared_pool(engine: EMEngine, config: EMConfig, max_memories: int = 4) -> MemoryPool:
     """The one MemoryPool for this engine and memory config in this process: every adapter instance with the same
     settings reuses the same checkpoints (frameworks build a new prompt per turn; each extends the last)."""
     key = (id(engine), config, max_memories)  # engines from shared_engine live for the whole process
@@ -86,7 +86,7 @@ class MemoryPool:
         self.config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
         self.max_memories = max_memories
         self._pinned: list[EpisodicMemory] = []                          # from read(): kept until close()
-        self._recent: "OrderedDict[int, EpisodicMemory]" = OrderedDict()  # automatic, least recent first
+        self._recent: OrderedDict[int, EpisodicMemory] = OrderedDict()  # automatic, least recent first
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ checkpoints
