@@ -13,7 +13,7 @@ limit keeps what it measured.
 
 1. Kernels: every attention part the engine runs (bf16 without a bias: flash; float32, or any bias: memory-efficient;
    the chunk's causal square; a decoding query; grouped query heads through episodic_attention over a strided window)
-   through _attend, against the same inputs in float64; the reference path's own error beside it, and both paths'
+   through attend, against the same inputs in float64; the reference path's own error beside it, and both paths'
    time and extra GPU memory.
 2. Syncs: a SmolLM2-shaped bf16 model reads past its window, then two reading chunks and two decoded tokens run under
    torch.cuda.set_sync_debug_mode("warn"); every host sync is counted by the engine line it comes from.
@@ -151,7 +151,7 @@ def kernel_check(device: str, small: bool) -> list[dict]:
         row = {"case": name, "dtype": dtype_name, "heads": heads, "queries": queries, "keys": keys,
                "kernel": attention.kernel_for(q, bias)[0]}
         try:
-            row.update(_compare(lambda: attention._attend(q, k, v, scaling, causal, bias),
+            row.update(_compare(lambda: attention.attend(q, k, v, scaling, causal, bias),
                                 lambda: attention.attend_reference(q, k, v, scaling, causal, bias),
                                 _float64_part(q, k, v, scaling, causal, bias), dtype, device))
         except Exception as error:
@@ -456,7 +456,7 @@ def batching_check(device: str, conversations: int = 8, tokens: int = 6144, new:
     wall = time.perf_counter() - started
     sizes = engine.batcher.batch_sizes
     one, all_ = sum(map(len, alone)) / seconds, sum(len(t or []) for t in together) / wall
-    return {"conversations": conversations, "tokens": tokens, "new_tokens": new, "row_block": engine._row_block,
+    return {"conversations": conversations, "tokens": tokens, "new_tokens": new, "row_block": engine.row_block,
             "same_tokens": sum(a == b for a, b in zip(alone, together)), "one_at_a_time_tokens_per_s": one,
             "together_tokens_per_s": all_, "ratio": all_ / one, "mean_rows": sum(sizes) / max(1, len(sizes))}
 

@@ -22,17 +22,17 @@ from pathlib import Path
 from emllm_integrations.markdown import table as markdown_table
 
 # (part, pattern on the whole ';'-joined stack): the first match wins, so specific parts come first. The line
-# numbers are the three _attend calls of emllm/attention.py's episodic_attention as of the recorded profiles
-# (commit 856d017 onwards): a profile of code where they moved needs these updated.
+# numbers are the three attend calls (named _attend before it was public) of emllm/attention.py's episodic_attention
+# as of the recorded profiles (commit 856d017 onwards): a profile of code where they moved needs these updated.
 PARTS = [
     ("retrieval (rank, gather)", r"LayerMemory\.retrieve"),
     ("eviction, segmentation", r"EpisodicMemory\.(evict|observe)"),
     ("score accumulation", r"_accumulate_scores"),
-    ("attention: chunk (causal)", r"episodic_attention \(emllm/attention\.py:59\);_attend"),
-    ("attention: older window", r"episodic_attention \(emllm/attention\.py:62\);_attend"),
-    ("attention: memory part", r"episodic_attention \(emllm/attention\.py:78\);_attend"),
+    ("attention: chunk (causal)", r"episodic_attention \(emllm/attention\.py:59\);_?attend"),
+    ("attention: older window", r"episodic_attention \(emllm/attention\.py:62\);_?attend"),
+    ("attention: memory part", r"episodic_attention \(emllm/attention\.py:78\);_?attend"),
     ("rotary positions", r"window_keys|RotaryTable"),
-    ("merging attention parts", r"_merge"),
+    ("merging attention parts", r"_merge|merge_parts"),
     ("rest of episodic_attention", r"episodic_attention"),
     ("LM head", r"ForCausalLM\.forward \([^)]*\);Module\._wrapped_call_impl \([^)]*\);Module\._call_impl \([^)]*\);"
                 r"Linear"),

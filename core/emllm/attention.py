@@ -53,18 +53,18 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
     # (a chunk's; decoding steps are summed later, LayerMemory.defer_received); the parts merge in a fixed order.
     memory_part = None
     if q_memory is not None and memory_keys is not None:
-        memory_part = _grouped(_attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
+        memory_part = _grouped(attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
                                heads, q)
     parts = []
     if q > 1:
-        parts.append(_attend(q_local, _expand(window_keys[:, :, visible:], groups),
+        parts.append(attend(q_local, _expand(window_keys[:, :, visible:], groups),
                              _expand(window_values[:, :, visible:], groups), scaling, causal=True))
     if visible:
-        parts.append(_grouped(_attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
+        parts.append(_grouped(attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
                                       window_values[:, :, :visible], scaling, causal=False), heads, q))
     if memory_part is not None:
         parts.append(memory_part)
-    return _merge(parts)
+    return merge_parts(parts)
 
 
 def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -114,7 +114,7 @@ def attention_given(query: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, 
     return torch.exp(logits - lse.float()[:, :, None]).sum(dim=(0, 1))
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
             causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output [1, h, n, d] and its log-sum-exp [1, h, n] (float32), for merging with other parts;
     ``bias`` [keys] is added to the logits of every query (not with causal).
@@ -135,7 +135,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling
         return out, lse.float()
     if kernel in ("flash", "efficient"):
         return attend_fused_cuda(kernel, query, key, value, scaling, causal, bias)
-    _note_reference(why)
+    note_reference(why)
     return attend_reference(query, key, value, scaling, causal, bias)
 
 
@@ -177,7 +177,7 @@ def cuda_kernel(dtype: torch.dtype, has_bias: bool, head_dim: int, flash: bool =
 
 def attend_fused_cuda(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                       causal: bool, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """_attend through the fused kernel cuda_kernel chose, by PyTorch's aten operators (the public SDPA returns no
+    """attend through the fused kernel cuda_kernel chose, by PyTorch's aten operators (the public SDPA returns no
     log-sum-exp). Both give the natural-log log-sum-exp in float32; the memory-efficient one pads it along the
     queries to a multiple of 32, so it is cut back to the queries asked."""
     if kernel == "flash":
@@ -227,7 +227,7 @@ def _flash_supported(device: torch.device) -> bool:
 _REFERENCE_NOTED: set[str] = set()
 
 
-def _note_reference(why: str) -> None:
+def note_reference(why: str) -> None:
     """Warn once per reason that attention on an accelerator materialises its logits (slower, more memory)."""
     if why not in _REFERENCE_NOTED:
         _REFERENCE_NOTED.add(why)
@@ -243,12 +243,12 @@ def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         logits = logits + bias.float()
     if causal:
         n, m = logits.shape[-2:]
-        logits = logits.masked_fill(~_causal_mask(n, m, logits.device), float("-inf"))
+        logits = logits.masked_fill(~causal_mask(n, m, logits.device), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     return torch.matmul(torch.exp(logits - lse[..., None]).to(value.dtype), value), lse
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     if len(parts) == 1:
         return parts[0]
     # Pairwise logaddexp, not a stacked logsumexp: the same sums in a third of the small ops (a decoding step
@@ -273,7 +273,7 @@ def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1) if groups > 1 else x
 
 
-def _causal_mask(q: int, window: int, device: torch.device) -> torch.Tensor:
+def causal_mask(q: int, window: int, device: torch.device) -> torch.Tensor:
     """[q, window] True where query i (the last q positions of the window) may see key j."""
     return torch.arange(window, device=device)[None, :] <= torch.arange(window - q, window, device=device)[:, None]
 

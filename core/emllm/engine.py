@@ -85,10 +85,10 @@ class EMEngine:
         self.store_device = self.layer_devices[0]
         self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.codec = PromptCodec(tokenizer)  # prompts to token ids, one template render per call
-        self._memories: weakref.WeakSet[EpisodicMemory] = weakref.WeakSet()
+        self._memories: weakref.WeakSet[EpisodicMemory] = weakref.WeakSet()  # every memory made, forks included
         # llguidance, compiled on first use
         self.grammars = GrammarCompiler(tokenizer, int(model.config.vocab_size), self.eos_ids)
-        self.batcher = StepBatcher(self._step)  # concurrent generations decode their tokens in one forward
+        self.batcher = StepBatcher(self.step)  # concurrent generations decode their tokens in one forward
         self._row_block: int | bool | None = False  # batching.row_block, probed at the first decoding step
         release_thread_workers()  # the load's idle OpenMP workers would slow other threads' forwards (batching.py)
 
@@ -150,6 +150,11 @@ class EMEngine:
         memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory
+
+    def open_memories(self) -> list[EpisodicMemory]:
+        """The memories this engine made (forks and loaded ones included) that are still open: what close() would
+        close, and what a caller checks to see that nothing it started was left open."""
+        return [memory for memory in list(self._memories) if not memory.closed]
 
     def close(self) -> None:
         """Close every memory this engine made (their disk pages are removed)."""
@@ -307,27 +312,35 @@ class EMEngine:
         plan = memory.plan_forward(retrieve, answering)
         # Surprise needs every position's log-probabilities; without it only the last position's logits are
         # computed (the LM head over a 50K-150K vocabulary is a real share of a chunk's cost).
-        return self._forward_rows([memory], ids[None], [plan], keep=0 if memory.track_surprise else 1)[0]
+        return self.forward_rows([memory], ids[None], [plan], keep=0 if memory.track_surprise else 1)[0]
 
-    def _step(self, memories: list[EpisodicMemory], tokens: list[int]) -> None:
-        """One decoding step of one or more conversations as one forward (the StepBatcher calls it): each token is
-        fed to its own memory, whose last_logits then predict the next. The weights are read once for all rows,
-        padded to the row block so each row's result does not depend on the batch (emllm.batching)."""
+    @property
+    def row_block(self) -> int | None:
+        """The row multiple from which this model's decoding forwards give each row what it gets alone
+        (batching.row_block), probed at the first call; None where there is none: conversations then decode one
+        forward each."""
         if self._row_block is False:
             self._row_block = row_block(self.model)
             self.batcher.max_rows = 1 if self._row_block is None else self.batcher.max_rows
-        if self._row_block is None and len(memories) > 1:  # no batch-invariant row count: one forward each
+        return None if self._row_block is False else self._row_block
+
+    def step(self, memories: list[EpisodicMemory], tokens: list[int]) -> None:
+        """One decoding step of one or more conversations as one forward (the StepBatcher calls it): each token is
+        fed to its own memory, whose last_logits then predict the next. The weights are read once for all rows,
+        padded to the row block so each row's result does not depend on the batch (emllm.batching)."""
+        block = self.row_block
+        if block is None and len(memories) > 1:  # no batch-invariant row count: one forward each
             for memory, token in zip(memories, tokens):
-                self._step([memory], [token])
+                self.step([memory], [token])
             return
-        block = self._row_block or 1
+        block = block or 1
         padding = -len(memories) % block
         plans = [memory.plan_forward(retrieve=True, answering=True) for memory in memories]
-        self._forward_rows([*memories, *[None] * padding], torch.tensor(tokens + tokens[:1] * padding)[:, None],
+        self.forward_rows([*memories, *[None] * padding], torch.tensor(tokens + tokens[:1] * padding)[:, None],
                            plans, keep=1)
 
-    def _forward_rows(self, memories: Sequence[EpisodicMemory | None], ids: torch.Tensor, plans: list[RetrievalPlan],
-                      keep: int) -> torch.Tensor:
+    def forward_rows(self, memories: Sequence[EpisodicMemory | None], ids: torch.Tensor, plans: list[RetrievalPlan],
+                     keep: int) -> torch.Tensor:
         """ids [rows, q], row i read into memories[i] under plans[i] (a None memory is a padding row: it attends to
         nothing and its logits are dropped); returns the logits [rows, q or keep, vocab]."""
         real = [memory for memory in memories if memory is not None]

@@ -38,7 +38,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         return memory_attention(layer_index, query, key, value, memories[0], scaling), None
     rows = [memory_attention(layer_index, query[row:row + 1], key[row:row + 1], value[row:row + 1], memory,
                              scaling) if memory is not None else torch.zeros_like(query[row:row + 1]).transpose(1, 2)
-            for row, memory in enumerate(memories)]  # None: a padding row (EMEngine._step), attending to nothing
+            for row, memory in enumerate(memories)]  # None: a padding row (EMEngine.step), attending to nothing
     return torch.cat(rows), None
 
 

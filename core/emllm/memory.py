@@ -120,6 +120,12 @@ class LayerMemory:
         if len(self._deferred) >= DEFERRED_STEPS:
             self.flush_received()
 
+    @property
+    def pending_steps(self) -> int:
+        """Decoding steps whose attention to the window is recorded but not yet added to the token scores (they are
+        scored together, DEFERRED_STEPS at a time or when the window is cut into events)."""
+        return len(self._deferred)
+
     def flush_received(self) -> None:
         """Add the deferred decoding steps' attention to the scores; before any token leaves the window, since each
         step's query was rotated for the window it saw."""

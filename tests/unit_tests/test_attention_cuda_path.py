@@ -42,7 +42,7 @@ def fake_efficient(query, key, value, mask, causal, scaling):
         logits = logits + mask.float()
     if causal:
         n, m = logits.shape[-2:]
-        logits = logits.masked_fill(~attention._causal_mask(n, m, logits.device), float("-inf"))
+        logits = logits.masked_fill(~attention.causal_mask(n, m, logits.device), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)
     out = torch.matmul(torch.exp(logits - lse[..., None]).to(value.dtype), value)
     padded = torch.full((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), float("nan"))
@@ -52,7 +52,7 @@ def fake_efficient(query, key, value, mask, causal, scaling):
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """Route _attend on CPU tensors through cuda_kernel's choice and the stand-in operators."""
+    """Route attend on CPU tensors through cuda_kernel's choice and the stand-in operators."""
     monkeypatch.setattr(attention, "_flash_op", fake_flash)
     monkeypatch.setattr(attention, "_efficient_op", fake_efficient)
     chosen = []
@@ -107,8 +107,8 @@ def test_reference_path_warns_once_per_reason():
     reason = "a reason only this test gives"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        attention._note_reference(reason)
-        attention._note_reference(reason)
+        attention.note_reference(reason)
+        attention.note_reference(reason)
     assert len([w for w in caught if reason in str(w.message)]) == 1
 
 
@@ -132,7 +132,7 @@ def test_efficient_bias_is_a_broadcast_view_of_one_padded_row(dtype, keys, heads
                                           (True, 40, 40)])
 def test_fused_path_matches_reference(fused_on_cpu, dtype, causal, q, n):
     query, key, value = qkv(4, q, n, dtype=dtype, seed=q + n)
-    out, lse = attention._attend(query, key, value, 16 ** -0.5, causal)
+    out, lse = attention.attend(query, key, value, 16 ** -0.5, causal)
     ref_out, ref_lse = attend_reference(query, key, value, 16 ** -0.5, causal)
     assert fused_on_cpu == ["efficient" if dtype == torch.float32 else "flash"]
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape and lse.dtype == torch.float32
@@ -145,7 +145,7 @@ def test_fused_path_matches_reference(fused_on_cpu, dtype, causal, q, n):
 def test_fused_path_with_a_bias_takes_the_efficient_kernel(fused_on_cpu, dtype, q):
     query, key, value = qkv(2, q, 11, dtype=dtype, seed=q)
     bias = -0.25 * torch.arange(11, dtype=torch.float32)   # exact in bfloat16
-    out, lse = attention._attend(query, key, value, 0.25, False, bias)
+    out, lse = attention.attend(query, key, value, 0.25, False, bias)
     ref_out, ref_lse = attend_reference(query, key, value, 0.25, False, bias)
     assert fused_on_cpu == ["efficient"] and lse.shape == (1, 2, q) and not lse.isnan().any()
     torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from emllm.attention import _attend, _causal_mask, _merge, attend_reference
+from emllm.attention import attend, attend_reference, causal_mask, merge_parts
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
@@ -38,10 +38,10 @@ def naive(query, key, value, scaling, mask=None):
     return out, lse
 
 
-# ----------------------------------------------------------------------------- _causal_mask
+# ----------------------------------------------------------------------------- causal_mask
 @pytest.mark.parametrize("q, window", [(1, 1), (1, 7), (4, 4), (3, 9), (6, 10)])
 def test_causal_mask_places_queries_at_the_end_of_the_window(q, window):
-    mask = _causal_mask(q, window, torch.device("cpu"))
+    mask = causal_mask(q, window, torch.device("cpu"))
     assert mask.shape == (q, window) and mask.dtype == torch.bool
     for i in range(q):
         position = window - q + i
@@ -50,8 +50,8 @@ def test_causal_mask_places_queries_at_the_end_of_the_window(q, window):
 
 
 def test_causal_mask_hand_cases():
-    assert _causal_mask(1, 4, torch.device("cpu")).tolist() == [[True, True, True, True]]
-    assert _causal_mask(3, 3, torch.device("cpu")).tolist() == [[True, False, False],
+    assert causal_mask(1, 4, torch.device("cpu")).tolist() == [[True, True, True, True]]
+    assert causal_mask(3, 3, torch.device("cpu")).tolist() == [[True, False, False],
                                                                 [True, True, False],
                                                                 [True, True, True]]
 
@@ -62,21 +62,21 @@ def test_reference_equals_a_loop(causal, q, n):
     query, key, value = qkv(3, q, n, d=8, seed=q * n)
     scaling = 0.37
     out, lse = attend_reference(query, key, value, scaling, causal)
-    mask = _causal_mask(q, n, torch.device("cpu")) if causal else None
+    mask = causal_mask(q, n, torch.device("cpu")) if causal else None
     want_out, want_lse = naive(query, key, value, scaling, mask)
     assert lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
 
-# ----------------------------------------------------------------------------- _attend (CPU fused op)
+# ----------------------------------------------------------------------------- attend (CPU fused op)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("causal, q, n", [(False, 7, 13), (False, 1, 40), (False, 64, 20), (True, 9, 9),
                                           (True, 1, 1), (True, 70, 70)])
 def test_fused_op_matches_reference(dtype, causal, q, n):
     query, key, value = qkv(4, q, n, dtype=dtype, seed=q + n)
     scaling = 16 ** -0.5
-    out, lse = _attend(query, key, value, scaling, causal)
+    out, lse = attend(query, key, value, scaling, causal)
     ref_out, ref_lse = attend_reference(query, key, value, scaling, causal)
     assert out.dtype == dtype and out.shape == (1, 4, q, 16)
     assert lse.dtype == torch.float32 and lse.shape == (1, 4, q)
@@ -88,12 +88,12 @@ def test_fused_causal_refuses_a_rectangular_block():
     """The fused kernel would align a rectangular causal mask top-left (not as a window's last rows): refused."""
     query, key, value = qkv(2, 3, 8, seed=5)
     with pytest.raises(ValueError, match="square"):
-        _attend(query, key, value, 0.25, True)
+        attend(query, key, value, 0.25, True)
     out, _ = attend_reference(query, key, value, 0.25, True)  # the reference handles it, bottom-right aligned
     assert torch.isfinite(out).all()
 
 
-# ----------------------------------------------------------------------------- _merge
+# ----------------------------------------------------------------------------- merge_parts
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cuts", [(5,), (1,), (4, 11), (2, 3, 17)])
 @pytest.mark.parametrize("fused", [False, True])
@@ -104,9 +104,9 @@ def test_merged_parts_equal_one_softmax(dtype, cuts, fused):
     key = (key.float() * 3).to(dtype)
     scaling = 0.25
     edges = [0, *cuts, n]
-    attend = _attend if fused else attend_reference
-    parts = [attend(query, key[:, :, a:b], value[:, :, a:b], scaling, False) for a, b in zip(edges, edges[1:])]
-    out, lse = _merge(parts)
+    part_attention = attend if fused else attend_reference
+    parts = [part_attention(query, key[:, :, a:b], value[:, :, a:b], scaling, False) for a, b in zip(edges, edges[1:])]
+    out, lse = merge_parts(parts)
     ref_out, ref_lse = attend_reference(query, key, value, scaling, False)
     assert out.dtype == dtype
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
@@ -115,15 +115,15 @@ def test_merged_parts_equal_one_softmax(dtype, cuts, fused):
 
 def test_merge_of_one_part_is_that_part():
     part = attend_reference(*qkv(2, 3, 5), 0.5, False)
-    out, lse = _merge([part])
+    out, lse = merge_parts([part])
     assert out is part[0] and lse is part[1]
 
 
 def test_merge_is_order_independent():
     query, key, value = qkv(2, 4, 12, seed=3)
     parts = [attend_reference(query, key[:, :, a:b], value[:, :, a:b], 0.3, False) for a, b in [(0, 5), (5, 12)]]
-    out_ab, lse_ab = _merge(parts)
-    out_ba, lse_ba = _merge(parts[::-1])
+    out_ab, lse_ab = merge_parts(parts)
+    out_ba, lse_ba = merge_parts(parts[::-1])
     torch.testing.assert_close(out_ab, out_ba)
     torch.testing.assert_close(lse_ab, lse_ba)
 
@@ -134,11 +134,11 @@ def test_window_split_into_causal_chunk_and_visible_past(fused):
     must equal one causal softmax over the whole window with the queries at its end."""
     q, window = 5, 14
     query, key, value = qkv(2, q, window, seed=11)
-    attend = _attend if fused else attend_reference
-    chunk = attend(query, key[:, :, window - q:], value[:, :, window - q:], 0.3, True)
-    past = attend(query, key[:, :, :window - q], value[:, :, :window - q], 0.3, False)
-    out, lse = _merge([chunk, past])
-    want_out, want_lse = naive(query, key, value, 0.3, _causal_mask(q, window, torch.device("cpu")))
+    part_attention = attend if fused else attend_reference
+    chunk = part_attention(query, key[:, :, window - q:], value[:, :, window - q:], 0.3, True)
+    past = part_attention(query, key[:, :, :window - q], value[:, :, :window - q], 0.3, False)
+    out, lse = merge_parts([chunk, past])
+    want_out, want_lse = naive(query, key, value, 0.3, causal_mask(q, window, torch.device("cpu")))
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
 
@@ -148,7 +148,7 @@ def test_reference_part_without_keys_is_neutral_in_a_merge():
     empty = attend_reference(query, key[:, :, :0], value[:, :, :0], 0.3, False)
     assert torch.all(torch.isneginf(empty[1]))
     part = attend_reference(query, key, value, 0.3, False)
-    out, lse = _merge([part, empty])
+    out, lse = merge_parts([part, empty])
     torch.testing.assert_close(out, part[0])
     torch.testing.assert_close(lse, part[1])
 
@@ -157,13 +157,13 @@ def test_fused_part_without_keys_does_not_crash_and_is_neutral():
     # In a subprocess: the failure mode is a signal that would kill pytest itself.
     code = textwrap.dedent("""
         import json, torch
-        from emllm.attention import _attend, _merge
+        from emllm.attention import attend, merge_parts
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(0)
         query, key, value = (torch.randn(1, 2, r, 8, generator=g) for r in (3, 6, 6))
-        part = _attend(query, key, value, 0.3, False)
-        empty = _attend(query, key[:, :, :0], value[:, :, :0], 0.3, False)
-        out, lse = _merge([part, empty])
+        part = attend(query, key, value, 0.3, False)
+        empty = attend(query, key[:, :, :0], value[:, :, :0], 0.3, False)
+        out, lse = merge_parts([part, empty])
         print(json.dumps(dict(neg_inf=bool(torch.isneginf(empty[1]).all()),
                               out=float((out - part[0]).abs().max()), lse=float((lse - part[1]).abs().max()))))
     """)
@@ -181,15 +181,15 @@ def test_a_key_bias_scales_each_keys_weight_by_its_exponential(dtype):
     op and the reference alike."""
     query, key, value = qkv(2, 5, 12, dtype=dtype, seed=4)
     bias = -torch.linspace(0, 4, 12)
-    out, lse = _attend(query, key, value, 0.25, False, bias=bias)
+    out, lse = attend(query, key, value, 0.25, False, bias=bias)
     ref_out, ref_lse = attend_reference(query, key, value, 0.25, False, bias)
     torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
     logits = torch.matmul(query.double(), key.double().transpose(-1, -2)) * 0.25 + bias.double()
     want = torch.softmax(logits, dim=-1) @ value.double()
     torch.testing.assert_close(out.double(), want, **TOL[dtype])
-    plain, _ = _attend(query, key, value, 0.25, False, bias=torch.zeros(12))
-    torch.testing.assert_close(plain, _attend(query, key, value, 0.25, False)[0], atol=0, rtol=0)
+    plain, _ = attend(query, key, value, 0.25, False, bias=torch.zeros(12))
+    torch.testing.assert_close(plain, attend(query, key, value, 0.25, False)[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -55,7 +55,7 @@ def test_conversations_decoding_together_get_the_tokens_they_get_alone(dtype):
     assert errors == [None] * 3
     assert together == alone
     assert all(len(tokens) == 24 for tokens in alone)  # the tiny model never ends early: every step was shared
-    if engine._row_block is None:
+    if engine.row_block is None:
         pytest.skip("this CPU's matmul kernels give no batch-invariant row count: conversations decode one per "
                     "forward (checked above to give the same tokens)")
     assert max(engine.batcher.batch_sizes) > 1  # steps really shared forwards
@@ -67,7 +67,7 @@ def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_me
     forks = [m.fork() for m in memories]
 
     def broken(memories, tokens):  # the real step, fed a token past the vocabulary: the embedding fails mid-forward
-        engine._step(memories, [10**6] * len(tokens))
+        engine.step(memories, [10**6] * len(tokens))
 
     engine.batcher = StepBatcher(broken)
     _, errors = _together(engine, prompts, forks, 8)
@@ -131,7 +131,7 @@ def test_deferred_decoding_scores_pick_the_representatives_step_by_step_scoring_
     engine.generate(prompts[0], memory=direct, max_new_tokens=40)
     assert len(deferred.event_sizes) > len(memories[0].event_sizes)  # events were cut from the answer's steps
     for mine, theirs in zip(deferred.layers, direct.layers):
-        assert mine._deferred  # steps since the last cut are still pending here
+        assert mine.pending_steps  # steps since the last cut are still pending here
         torch.testing.assert_close(mine.scores[:, :mine.length], theirs.scores[:, :theirs.length])
         torch.testing.assert_close(mine.index.vectors, theirs.index.vectors)
 

@@ -61,7 +61,7 @@ def memory_differences(a, b) -> list[str]:
         for name in ("sink_keys", "sink_values", "memory_keys", "memory_values"):
             check(f"layer{i}.{name}", same_tensor(getattr(x, name), getattr(y, name)))
         check(f"layer{i}.representatives", same_tensor(x.index.vectors, y.index.vectors))
-        check(f"layer{i}.contiguity", list(x.contiguity._queue.items()) == list(y.contiguity._queue.items()))
+        check(f"layer{i}.contiguity", x.contiguity.entries() == y.contiguity.entries())
         check(f"layer{i}.retrieved_ids", x.retrieved_ids == y.retrieved_ids)
         check(f"layer{i}.retrievals", x.retrievals == y.retrievals)
     check("store.num_tokens", a.store.num_tokens == b.store.num_tokens)
@@ -85,7 +85,7 @@ def siblings(path: Path) -> list[str]:
 
 
 def open_memories(engine) -> list:
-    return [m for m in engine._memories if not m.closed]
+    return engine.open_memories()
 
 
 # ============================================================================ fixtures
@@ -101,7 +101,7 @@ def read_memory(engine):
     engine.read(memory, token_ids(300))
     assert memory.num_events > 5 and memory.store.num_tokens % memory.store.page_tokens != 0
     assert any(layer.retrieved_ids for layer in memory.layers)
-    assert any(layer.contiguity._queue for layer in memory.layers)
+    assert any(layer.contiguity.entries() for layer in memory.layers)
     return memory
 
 
@@ -216,7 +216,7 @@ def test_files_are_plain_json_and_safetensors(read_memory, saved):
 @pytest.mark.parametrize("atomic_exchange", [True, False], ids=["renameat2-exchange", "rename-aside"])
 def test_save_replaces_the_previous_save(atomic_exchange, engine, tmp_path, monkeypatch):
     """With an atomic exchange the two saves swap in one step; without it the old one is renamed aside first."""
-    monkeypatch.setattr(persistence, "_HAVE_EXCHANGE", persistence._HAVE_EXCHANGE and atomic_exchange)
+    monkeypatch.setattr(persistence, "HAVE_EXCHANGE", persistence.HAVE_EXCHANGE and atomic_exchange)
     first, second = engine.new_memory(), engine.new_memory()
     engine.read(first, token_ids(120, seed=7))
     engine.read(second, token_ids(200, seed=8))
@@ -279,7 +279,7 @@ def test_a_load_that_races_a_save_of_the_same_path_reads_the_new_save(engine, re
     save_memory(read_memory, target, engine=engine, metadata={"round": 1})
     other = engine.new_memory()
     engine.read(other, token_ids(260, seed=21))
-    real_read_state = persistence._read_state
+    real_read_state = persistence.read_state
     raced = []
 
     def read_state_while_a_save_lands(*args, **kwargs):
@@ -288,7 +288,7 @@ def test_a_load_that_races_a_save_of_the_same_path_reads_the_new_save(engine, re
             save_memory(other, target, engine=engine, metadata={"round": 2})  # the save lands mid-load
         return real_read_state(*args, **kwargs)
 
-    monkeypatch.setattr(persistence, "_read_state", read_state_while_a_save_lands)
+    monkeypatch.setattr(persistence, "read_state", read_state_while_a_save_lands)
     loaded = load_memory(target, engine)
     assert raced and memory_differences(other, loaded) == []
     loaded.close()
@@ -350,7 +350,7 @@ def rewrite_manifest(path: Path, change, recompute_checksum=True) -> None:
     manifest = json.loads((path / MANIFEST).read_text())
     change(manifest)
     if recompute_checksum:
-        manifest["checksum"] = persistence._manifest_checksum(manifest)
+        manifest["checksum"] = persistence.manifest_checksum(manifest)
     (path / MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -467,7 +467,7 @@ def run_child(save, kill_at_step: int | None = None) -> int:
 
                 os.mkdir, os.fsync, os.rename = step(os.mkdir), step(os.fsync), step(os.rename)
                 shutil.rmtree = step(shutil.rmtree)
-                persistence._exchange = step(persistence._exchange)
+                persistence.exchange = step(persistence.exchange)
             save()
             os._exit(0)
         except BaseException:
@@ -510,7 +510,7 @@ def old_and_new(engine):
 @pytest.mark.parametrize("exchange", [True, False], ids=["atomic-exchange", "rename-aside"])
 def test_a_save_killed_at_every_step_leaves_the_old_or_the_new_save(exchange, engine, old_and_new, tmp_path,
                                                                     monkeypatch):
-    monkeypatch.setattr(persistence, "_HAVE_EXCHANGE", exchange)
+    monkeypatch.setattr(persistence, "HAVE_EXCHANGE", exchange)
     old, new = old_and_new
     target = tmp_path / "m"
     save_memory(old, target, engine=engine)

@@ -29,7 +29,7 @@ def forward_sizes(monkeypatch, engine: EMEngine, flags: list[bool] | None = None
     """Records the length of every forward the engine makes (prompt chunks, then one token per generated token)
     and, into ``flags``, whether each was an answering forward (the question's or a generated token's)."""
     sizes: list[int] = []
-    real = EMEngine._forward_rows
+    real = EMEngine.forward_rows
 
     def spy(self, memories, ids, plans, keep):
         sizes.append(ids.shape[1])
@@ -37,7 +37,7 @@ def forward_sizes(monkeypatch, engine: EMEngine, flags: list[bool] | None = None
             flags.append(plans[0].answering)
         return real(self, memories, ids, plans, keep)
 
-    monkeypatch.setattr(EMEngine, "_forward_rows", spy)
+    monkeypatch.setattr(EMEngine, "forward_rows", spy)
     return sizes
 
 

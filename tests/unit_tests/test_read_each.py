@@ -66,7 +66,7 @@ def test_each_memory_equals_a_separate_read_and_the_haystack_is_read_once(preset
     chunk = engine.config.chunk_size
     assert sum(counts) < sum(map(len, docs)) - 2 * (round(0.1 * 200) // chunk * chunk)
     assert sum(counts) >= len(docs[-1])
-    assert not [m for m in engine._memories if not m.closed]
+    assert not engine.open_memories()
 
 
 def test_documents_that_do_not_share_a_prefix_are_read_separately_and_correctly():
@@ -78,7 +78,7 @@ def test_documents_that_do_not_share_a_prefix_are_read_separately_and_correctly(
         _assert_same_state(memory, reference, engine)
         memory.close()
         reference.close()
-    assert not [m for m in engine._memories if not m.closed]
+    assert not engine.open_memories()
 
 
 def test_stopping_early_closes_the_shared_trunk():
@@ -87,7 +87,7 @@ def test_stopping_early_closes_the_shared_trunk():
     memory, _ = next(reads)
     memory.close()
     reads.close()  # the caller stops after the first document
-    assert not [m for m in engine._memories if not m.closed]
+    assert not engine.open_memories()
 
 
 def test_a_memory_config_of_its_own_is_used_for_every_document():
@@ -103,7 +103,7 @@ def test_a_memory_config_of_its_own_is_used_for_every_document():
         _assert_same_state(memory, reference, engine)
         memory.close()
         reference.close()
-    assert not [m for m in engine._memories if not m.closed]
+    assert not engine.open_memories()
 
 
 @pytest.mark.parametrize("a, b, shared", [([1, 2, 3], [1, 2, 4], 2), ([1, 2], [1, 2, 3], 2), ([], [1], 0),
