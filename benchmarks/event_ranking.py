@@ -29,11 +29,11 @@ from tqdm.auto import tqdm
 from emllm import EMEngine
 from emllm.retrieval import ContiguityBuffer, fill_budget, token_index_of_events
 from emllm.scoring import standardise
-from emllm_integrations.bench.harness import _context_ids
+from emllm_integrations.bench.harness import context_ids
 from emllm_integrations.bench.items import task_items
 from emllm_integrations.bench.measure import read_each
 from emllm_integrations.bench.settings import DEFAULT_DEPTHS, BenchSettings
-from emllm_integrations.cli import _length as parse_length
+from emllm_integrations.cli import parse_length
 from emllm_integrations.markdown import table as markdown_table
 from emllm_integrations.prompts import chat_frame
 
@@ -107,7 +107,7 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
     rows = []
     for task in tasks:
         item = task_items(task, length, settings, engine.count_tokens)[0]
-        context = _context_ids(engine, item)
+        context = context_ids(engine, item)
         memory, _ = next(read_each(engine, [context]))
         memory.embed_events()
         starts = memory.event_boundaries().tolist()
@@ -118,8 +118,8 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
         owner[token_index_of_events(events, memory.event_boundaries(), sizes)] = torch.repeat_interleave(events, sizes)
         texts = [engine.tokenizer.decode(memory.token_ids[s:t], skip_special_tokens=True) for s, t in zip(starts, ends)]
         wide = [" ".join(texts[max(0, e - 1):e + 2]) for e in range(len(texts))]
-        wide_embeddings = memory.text_embedder([engine.tokenize(t) for t in wide])
-        neighbourhood = torch.nn.functional.normalize(with_neighbours(memory.event_embeddings), dim=-1)
+        wide_embeddings = memory.texts.embedder([engine.tokenize(t) for t in wide])
+        neighbourhood = torch.nn.functional.normalize(with_neighbours(memory.texts.embeddings), dim=-1)
         text, offsets = token_offsets(engine.tokenizer, memory.token_ids)
         lexicon = bm25_index(texts)
         for question, expected, depth, _ in tqdm(item.questions, desc=task):
@@ -129,8 +129,8 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
             missing = [a for a, tokens in zip(answers, per_answer) if not tokens]
             in_memory = [[e for e in events if e >= 0] for events in per_answer]
             question_ids = chat_frame(engine, question)[1]
-            q_embedding = memory.text_embedder([question_ids])[0]
-            dense = memory.event_embeddings @ q_embedding
+            q_embedding = memory.texts.embedder([question_ids])[0]
+            dense = memory.texts.embeddings @ q_embedding
             lexical = bm25_scores(lexicon, question)
             rankings = {"dense": dense, "bm25": lexical, "fused": standardise(dense) + standardise(lexical),
                         "fused_contextual": standardise(wide_embeddings @ q_embedding) + standardise(lexical),

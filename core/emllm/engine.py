@@ -35,7 +35,8 @@ from .conversation import MemoryMismatchError, OwnMemory, Request, converse
 from .decoding import GenerationResult, TextStream, check_sampling, decoding, end_of_turn_ids
 from .forward import layer_attention
 from .grammar import Grammar, GrammarCompiler
-from .memory import EpisodicMemory, ModelShape, because
+from .layer_memory import ModelShape
+from .memory import EpisodicMemory, because
 from .models import prepare_loaded
 from .rope import RotaryTable
 from .scoring import RetrievalPlan, uses_event_text
@@ -126,7 +127,7 @@ class EMEngine:
                      for d in ropes}
         memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
         if uses_event_text(config.scorer):
-            memory.text_embedder = self._event_text_embedder(config.event_embedding)
+            memory.texts.embedder = self._event_text_embedder(config.event_embedding)
         memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory

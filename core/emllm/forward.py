@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from .attention import attention_given, attention_received, episodic_attention, group_heads
-from .memory import EpisodicMemory, LayerMemory
+from .layer_memory import LayerMemory
+from .memory import EpisodicMemory
 from .retrieval import fill_budget, gather_events
 from .scoring import Pinned, ScoringStep, query_free, rank_events
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .memory import EpisodicMemory, LayerMemory
+    from .layer_memory import LayerMemory
+    from .memory import EpisodicMemory
 
 
 class RepresentativeIndex:

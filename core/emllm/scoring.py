@@ -31,7 +31,7 @@ import torch
 from .retrieval import ATTENTION_SCORING_ROWS, attention_mass_per_event
 
 if TYPE_CHECKING:
-    from .memory import LayerMemory
+    from .layer_memory import LayerMemory
     from .storage import PageStore
 
 

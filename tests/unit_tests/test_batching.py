@@ -115,7 +115,7 @@ def test_the_row_block_makes_every_row_what_a_full_batch_gives_it():
 def test_deferred_decoding_scores_pick_the_representatives_step_by_step_scoring_picks(monkeypatch):
     """Decoding steps' attention received is counted in batches (LayerMemory.defer_received): the scores and the
     representatives of events cut while answering must be what scoring each step as it runs gives."""
-    import emllm.memory
+    import emllm.layer_memory
 
     engine = tiny_engine("S")
     prompts, memories = _memories(engine, (150,))
@@ -126,7 +126,7 @@ def test_deferred_decoding_scores_pick_the_representatives_step_by_step_scoring_
     def at_once(layer, query, lse, scaling):  # each step scored as it runs, as before deferring
         layer.scores[:, :layer.length] += attention_received(query, layer.window_keys()[None], lse, scaling)
 
-    monkeypatch.setattr(emllm.memory.LayerMemory, "defer_received", at_once)
+    monkeypatch.setattr(emllm.layer_memory.LayerMemory, "defer_received", at_once)
     direct = memories[0].fork()
     engine.generate(prompts[0], memory=direct, max_new_tokens=40)
     assert len(deferred.event_sizes) > len(memories[0].event_sizes)  # events were cut from the answer's steps

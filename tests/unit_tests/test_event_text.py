@@ -35,16 +35,16 @@ def test_every_evicted_event_is_embedded_once_from_its_own_text():
     engine = tiny_engine("E")
     memory = _read(engine)
     assert memory.num_events > 5
-    assert memory.event_embeddings.shape == (memory.num_events, 384)
+    assert memory.texts.embeddings.shape == (memory.num_events, 384)
     expected = TextEmbedder("minilm").embed(_event_texts(engine, memory))
-    torch.testing.assert_close(memory.event_embeddings, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(memory.texts.embeddings, expected, atol=1e-5, rtol=0)
     memory.close()
 
 
 def test_a_scorer_that_reads_no_text_loads_no_embedder():
     engine = tiny_engine("S")
     memory = _read(engine)
-    assert memory.text_embedder is None and memory.event_embeddings.numel() == 0
+    assert memory.texts.embedder is None and memory.texts.embeddings.numel() == 0
     memory.close()
 
 
@@ -66,11 +66,11 @@ def test_forks_share_the_event_embeddings_and_a_new_prompt_forgets_the_last_ques
     engine = tiny_engine("E")
     memory = _read(engine)
     fork = memory.fork()
-    assert fork.event_embeddings is memory.event_embeddings  # immutable: appended by concatenation
+    assert fork.texts.embeddings is memory.texts.embeddings  # immutable: appended by concatenation
     engine.read(fork, [5, 6, 7], question_start=fork.total_tokens)
-    assert fork.question_embedding is not None and memory.question_embedding is None
+    assert fork.texts.question is not None and memory.texts.question is None
     engine.read(fork, [8, 9], question_start=fork.total_tokens + 2)  # a prompt with no question part
-    assert fork.question_embedding is None
+    assert fork.texts.question is None
     fork.close()
     memory.close()
 
@@ -80,10 +80,10 @@ def test_a_loaded_memory_rebuilds_the_embeddings_it_did_not_save(tmp_path):
     memory = _read(engine)
     save_memory(memory, tmp_path / "m", engine=engine)
     loaded = load_memory(tmp_path / "m", engine)
-    assert loaded.event_embeddings.numel() == 0  # derived from the tokens, so not written
+    assert loaded.texts.embeddings.numel() == 0  # derived from the tokens, so not written
     engine.read(loaded, [5, 6, 7], question_start=loaded.total_tokens)
     saved = memory.num_events  # the question's chunk may have evicted one more event
-    torch.testing.assert_close(loaded.event_embeddings[:saved], memory.event_embeddings, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loaded.texts.embeddings[:saved], memory.texts.embeddings, atol=1e-5, rtol=0)
     loaded.close()
     memory.close()
 
@@ -185,9 +185,9 @@ def test_a_pool_that_read_the_prompt_answers_as_the_engine_does_and_keeps_the_qu
     ids = token_ids(420, seed=5)
     memory = engine.new_memory()
     engine.read(memory, ids, question_start=400)
-    asked = memory.question_embedding
+    asked = memory.texts.question
     assert asked is not None
-    assert engine.read(memory, []) == 0 and memory.question_embedding is asked
+    assert engine.read(memory, []) == 0 and memory.texts.question is asked
     memory.close()
 
     direct = engine.generate(ids, memory=engine.new_memory(), max_new_tokens=12)

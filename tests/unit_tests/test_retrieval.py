@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from emllm.memory import event_representatives
+from emllm.layer_memory import event_representatives
 from emllm.retrieval import ContiguityBuffer, RepresentativeIndex, fill_budget, token_index_of_events
 
 CPU = torch.device("cpu")

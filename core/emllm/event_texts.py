@@ -1,0 +1,60 @@
+"""The text view of a memory's events, for scorers that rank events by what they say (scoring.EventText).
+
+Each event's text is embedded once, when it leaves the window (a sentence-transformers model the engine supplies); the
+prompt's question is embedded when it is read; their cosines rank events in the answering forwards. The embeddings are
+derived from the tokens: forks share them (they are only ever replaced, never written in place), saves leave the
+event embeddings out and a loaded memory rebuilds them on its first question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+Embedder = Callable[[list[list[int]]], torch.Tensor]  # token id lists -> [n, dim] unit rows
+
+
+class EventTexts:
+    """Event-text embeddings, the question's embedding and their cosines (computed once per question and eviction)."""
+
+    def __init__(self, embedder: Embedder | None = None):
+        self.embedder = embedder
+        self.embeddings = torch.empty(0, 0)              # [events embedded so far, dim] each event's text
+        self.question: torch.Tensor | None = None        # [dim] the current prompt's question
+        self._scores: tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None] = (None, None)
+
+    def ask(self, question_ids: list[int]) -> None:
+        """Embed the prompt's question (token ids), which the answering forwards compare with every event's text."""
+        if self.embedder is not None and question_ids:
+            self.question = self.embedder([question_ids])[0]
+
+    def forget_question(self) -> None:
+        self.question = None
+
+    def embed(self, token_ids: Sequence[int], starts: torch.Tensor, sizes: torch.Tensor) -> None:
+        """Embed the text of the events (absolute ``starts``, ``sizes``) not embedded yet: on eviction while reading,
+        and all of them the first time a loaded memory, or one read under a scorer that needed no text, is asked."""
+        done = self.embeddings.shape[0]
+        if self.embedder is None or done == starts.shape[0]:
+            return
+        spans = zip(starts[done:].tolist(), sizes[done:].tolist())
+        fresh = self.embedder([list(token_ids[start:start + size]) for start, size in spans])
+        self.embeddings = fresh if done == 0 else torch.cat([self.embeddings, fresh])
+
+    def scores(self, num_events: int) -> torch.Tensor | None:
+        """[events] cosine of the question with each event's text; None without a question or an embedder. The
+        embeddings are new tensors whenever a question is asked or events are embedded, so identity is the cache key:
+        an answer's decoding steps reuse one computation."""
+        if self.question is None or self.embedder is None:
+            return None
+        made_from, scores = self._scores
+        if made_from is None or made_from[0] is not self.question or made_from[1] is not self.embeddings:
+            scores = self.embeddings @ self.question if num_events else torch.zeros(0)
+            self._scores = ((self.question, self.embeddings), scores)
+        return scores
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the event embeddings hold (counted against the memory's RAM budget)."""
+        return self.embeddings.numel() * self.embeddings.element_size()
