@@ -12,16 +12,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
-from pathlib import Path
 
 import torch
 from llama_index.core import Document
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from integration_tests.documents import essay_document  # noqa: E402
-
-from emllm_integrations.llama_index import EMLLMQueryEngine  # noqa: E402
+from emllm_integrations.bench.tasks import essay_document
+from emllm_integrations.llama_index import EMLLMQueryEngine
 
 FACTS = [("The lighthouse keeper's cat is named {x}.", "What is the lighthouse keeper's cat called?",
           ["Biscuit", "Pepper", "Marlow", "Tansy", "Juniper"]),

@@ -14,20 +14,10 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-import numpy as np
-from suite_plot import RESULTS, bootstrap_interval, load_cells
-
 from emllm_integrations.bench.settings import RULER_TASKS
+from emllm_integrations.bench.suite import load_cells, paired_difference
 
-
-def paired_difference(first: dict[str, float], second: dict[str, float]) -> tuple[float, float, float, int]:
-    """Mean of first - second over the questions both answered, in points, with its 95% bootstrap interval."""
-    shared = sorted(set(first) & set(second))
-    if not shared:
-        raise ValueError("The two cells share no question: they were asked of different documents.")
-    gaps = [first[q] - second[q] for q in shared]
-    low, high = bootstrap_interval(gaps, draws=5000)
-    return 100 * float(np.mean(gaps)), 100 * low, 100 * high, len(shared)
+RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def main() -> None:

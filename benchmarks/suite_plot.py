@@ -12,51 +12,19 @@ percentile-bootstrap intervals over the cell's questions.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-from collections import defaultdict
 
 import numpy as np
 
-from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS, RULER_TASKS, SETTINGS_FILE
+from emllm_integrations.bench.settings import RULER_TASKS
+from emllm_integrations.bench.suite import bootstrap_interval, load_cells
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-LIST_TASKS = ("niah_multivalue", "niah_multiquery", "variable_tracking", "common_words", "frequent_words")
 METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
 STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
          "S": ("C2", "^", 1.2), "SM": ("C4", "x", 0.8), "S+C": ("C5", "x", 0.8), "SM+C": ("C8", "x", 0.8),
          "F": ("C7", "v", 1.2), "full": ("k", "*", 1.2)}
 """The default and RAG stand out; the paper's other presets are thin."""
-
-
-def load_cells(folders: list[pathlib.Path]) -> dict[tuple[str, str, int], dict[str, float]]:
-    """(task, method, length) -> {question: its score}; a question already seen in an earlier folder is not
-    counted twice (some families were measured in two runs). List answers from runs before the bench gave lists
-    RULER's token budget (no ``list_answer_tokens`` in their settings) were cut short: they are left out."""
-    missing = [str(f) for f in folders if not (f / "bench.json").is_file() or not (f / SETTINGS_FILE).is_file()]
-    if missing:
-        raise FileNotFoundError(f"No bench.json or {SETTINGS_FILE} in {missing}: pass folders written by "
-                                "`emllm bench --out`.")
-    cells: dict[tuple[str, str, int], dict[str, float]] = defaultdict(dict)
-    seen: set[tuple[str, str, int, str]] = set()
-    for folder in folders:
-        settings = json.loads((folder / SETTINGS_FILE).read_text())
-        lists_cut_short = settings.get("list_answer_tokens") != LIST_ANSWER_TOKENS
-        for row in json.loads((folder / "bench.json").read_text()):
-            key = (row["task"], row["method"], row["length"], row["question"])
-            if key in seen or row["task"] not in RULER_TASKS or (lists_cut_short and row["task"] in LIST_TASKS):
-                continue
-            seen.add(key)
-            score = row.get("score")
-            cells[key[:3]][row["question"]] = float(bool(row["correct"])) if score is None else float(score)
-    return cells
-
-
-def bootstrap_interval(scores: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of the mean: resampling the questions, as a reader re-asking other ones would."""
-    values = np.asarray(scores)
-    means = np.random.default_rng(seed).choice(values, size=(draws, len(values))).mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def plot(cells: dict[tuple[str, str, int], dict[str, float]], out: pathlib.Path, min_questions: int = 20) -> None:

@@ -178,8 +178,9 @@ def bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _length(text: str) -> int:
-    """A length in tokens: 4096, 4K (= 4096) or 1M (= 1,048,576)."""
+def parse_length(text: str) -> int:
+    """A length in tokens: 4096, 4K (= 4096) or 1M (= 1,048,576). An argparse ``type``; public so that the scripts
+    in benchmarks/ take lengths as `emllm bench` does."""
     units = {"K": 2**10, "M": 2**20}
     cleaned = text.strip().upper().replace("_", "").replace(",", "")
     try:
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p_demo = sub.add_parser("demo", help="EM-LLM and RAG side by side on a long real-prose document")
     common(p_demo)
-    p_demo.add_argument("--tokens", type=_length, default=None,
+    p_demo.add_argument("--tokens", type=parse_length, default=None,
                         help="document length in tokens (default: 1.05x the model's trained context)")
     p_demo.add_argument("--questions", type=int, default=6, help="facts placed and asked (default 6)")
     p_demo.add_argument("--seed", type=int, default=0)
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="questions per RULER document, each asked from a fork of one read (default 20)")
     p_bench.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
                          help="EM-LLM presets (S SM S+C SM+C F ...), full, rag-minilm, rag-mpnet")
-    p_bench.add_argument("--lengths", nargs="+", type=_length, default=list(DEFAULT_LENGTHS),
+    p_bench.add_argument("--lengths", nargs="+", type=parse_length, default=list(DEFAULT_LENGTHS),
                          help="input lengths in tokens (default 4K 8K 16K 32K 64K 128K)")
     p_bench.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS),
                          help="answer positions in [0, 1] (default 0.1 0.5 0.9)")
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--max-new-tokens", dest="max_new_tokens", type=int,
                          help="tokens to generate per answer (default: the answer's length + 16; "
                               "lists 128)")
-    p_bench.add_argument("--full-max-tokens", dest="full_max_tokens", type=_length, default=FULL_MAX_TOKENS,
+    p_bench.add_argument("--full-max-tokens", dest="full_max_tokens", type=parse_length, default=FULL_MAX_TOKENS,
                          help="skip plain full attention above this length (quadratic; default 32K)")
     p_bench.add_argument("--n-local", dest="n_local", type=int, help="EM-LLM: local window tokens")
     p_bench.add_argument("--n-mem", dest="n_mem", type=int, help="EM-LLM: retrieved-event token budget")

@@ -325,7 +325,7 @@ class ChatEMLLM(BaseChatModel):
         """One chunk per text delta (with tools: per piece of text and per whole tool call; with a response
         format: the JSON in one chunk), then a last, empty chunk with the usage and response metadata."""
         prompt = to_engine_messages(messages)
-        call = self._call_options(stop, kwargs)
+        call = self.call_options(stop, kwargs)
         pool = self.pool(call.model)
         options = dict(call.sampling)
         if call.tools:
@@ -374,8 +374,10 @@ class ChatEMLLM(BaseChatModel):
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
 
-    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> CallOptions:
-        """This call's options: per-call values over the instance's, checked before any work."""
+    def call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> CallOptions:
+        """This call's options: per-call values over the instance's, checked before any work. Public so that a
+        caller (and the unit tests) can see what a call would run with, and have bad options refused, without
+        loading a model."""
         kwargs = {k: v for k, v in kwargs.items() if k != "stream"}  # LangChain's own streaming switch
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:

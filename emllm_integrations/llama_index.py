@@ -170,7 +170,10 @@ class EMLLM(FunctionCallingLLM):
         return LLMMetadata(context_window=self.context_window, num_output=self.max_tokens, is_chat_model=True,
                            is_function_calling_model=True, model_name=self.model or DEFAULT_MODEL)
 
-    def _options(self, overrides: dict[str, Any], tools_allowed: bool = False) -> dict[str, Any]:
+    def call_options(self, overrides: dict[str, Any], tools_allowed: bool = False) -> dict[str, Any]:
+        """This call's MemoryPool.stream keywords: per-call ``overrides`` over the instance's values, tools only
+        where ``tools_allowed`` (chat, not complete), all checked before any work. Public so that a caller (and the
+        unit tests) can see what a call would run with, and have bad options refused, without loading a model."""
         allowed = CALL_OPTIONS + (TOOL_OPTIONS if tools_allowed else ())
         unknown = sorted(set(overrides) - set(allowed))
         if unknown:
@@ -224,11 +227,11 @@ class EMLLM(FunctionCallingLLM):
     # undecorated body, which the async methods run in a thread, so an async call is counted once too.
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._complete_body(prompt, formatted, self._options(kwargs))
+        return self._complete_body(prompt, formatted, self.call_options(kwargs))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return self._stream_complete_body(prompt, formatted, self._options(kwargs))
+        return self._stream_complete_body(prompt, formatted, self.call_options(kwargs))
 
     def _complete_body(self, prompt: str, formatted: bool, options: dict[str, Any]) -> CompletionResponse:
         text = prompt if formatted else self.completion_to_prompt(prompt)  # type: ignore[misc]  # LLM sets it, never None
@@ -241,11 +244,11 @@ class EMLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ chat (the model's chat template)
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat_body(messages, self._options(kwargs, tools_allowed=True))
+        return self._chat_body(messages, self.call_options(kwargs, tools_allowed=True))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._stream_chat_body(messages, self._options(kwargs, tools_allowed=True))
+        return self._stream_chat_body(messages, self.call_options(kwargs, tools_allowed=True))
 
     def _chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponse:
         last = None
@@ -265,21 +268,21 @@ class EMLLM(FunctionCallingLLM):
     # ------------------------------------------------------------------ async: the work runs in a thread
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self._complete_body, prompt, formatted, self._options(kwargs))
+        return await asyncio.to_thread(self._complete_body, prompt, formatted, self.call_options(kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        options = self._options(kwargs)
+        options = self.call_options(kwargs)
         return iterate_in_thread(lambda: self._stream_complete_body(prompt, formatted, options))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self._chat_body, messages, self._options(kwargs, tools_allowed=True))
+        return await asyncio.to_thread(self._chat_body, messages, self.call_options(kwargs, tools_allowed=True))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        options = self._options(kwargs, tools_allowed=True)
+        options = self.call_options(kwargs, tools_allowed=True)
         return iterate_in_thread(lambda: self._stream_chat_body(messages, options))
 
 
@@ -483,6 +486,13 @@ class EMLLMQueryEngine(CustomQueryEngine):
     @property
     def context_tokens(self) -> int:
         return len(self._context_ids)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The prompt every query extends (the chat turn's header, then the documents' tokens), as read into the
+        pool; a copy. Public so that a caller can checkpoint or save the memory of exactly what was read
+        (``pool.checkpoint(engine.context_ids)``) without the documents' framing being rebuilt."""
+        return list(self._context_ids)
 
     def question_ids(self, question: str) -> list[int]:
         """The question's tokens (with the end of the chat turn and the assistant's header, in the chat frame),

@@ -81,8 +81,10 @@ def resolve_embedding(name: str | os.PathLike) -> pathlib.Path:
     raise ValueError(f"Unknown embedding {name!r}. Use {_embedding_options()}.")
 
 
-def _mpnet_parts() -> list[pathlib.Path]:
-    """The five zip pieces of all-mpnet-base-v2, in order, located through the installed distributions."""
+def mpnet_parts() -> list[pathlib.Path]:
+    """The five zip pieces of all-mpnet-base-v2, in order, located through the installed distributions;
+    EmbeddingNotAvailableError naming the install command when any is missing. Public so that a caller can ask
+    whether mpnet is installed without unpacking it (mpnet_dir does both)."""
     paths, missing = [], []
     for i, dist_name in enumerate(MPNET_PARTS, start=1):
         try:
@@ -109,7 +111,7 @@ def mpnet_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     the final one, then renamed, so a crash or a concurrent caller never sees a half-written model."""
     from emllm.models import default_cache_dir
 
-    parts = _mpnet_parts()
+    parts = mpnet_parts()
     version = importlib.metadata.version(MPNET_PARTS[0])
     root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / f"all-mpnet-base-v2-{version}"

@@ -57,13 +57,19 @@ __all__ = [
     "GGUFPart",
     "ModelNotAvailableError",
     "UnsupportedModelError",
+    "cache_folder_name",
     "check_model",
     "check_supported",
+    "cpu_has_fast_bf16",
     "default_cache_dir",
+    "device_or_default",
     "hub_snapshot",
+    "is_complete",
     "is_embedded_available",
     "is_hub_id",
     "load_model",
+    "locate_parts",
+    "lookup_embedded",
     "model_fingerprint",
     "prepare_loaded",
     "resolve_model_dir",
@@ -200,7 +206,9 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "emllm" / "models"
 
 
-def _lookup_embedded(name: str) -> EmbeddedModel | None:
+def lookup_embedded(name: str) -> EmbeddedModel | None:
+    """The embedded model a name means (its name, display name or an alias, in any case), or None. Public so that a
+    caller can tell an embedded model's name from a hub id or a path the way load_model does."""
     key = name.strip().lower()
     for spec in EMBEDDED_MODELS.values():
         names = (spec.name, spec.display_name, *spec.aliases)
@@ -242,7 +250,7 @@ def resolve_model_dir(
             f"Face model directory. Embedded models: {_embedded_names_text()}."
         )
 
-    spec = _lookup_embedded(os.fspath(model)) if isinstance(model, str) else None
+    spec = lookup_embedded(os.fspath(model)) if isinstance(model, str) else None
     if isinstance(model, str) and is_hub_id(model):
         try:
             return hub_snapshot(model, revision=revision, token=token, cache_dir=cache_dir)
@@ -299,7 +307,7 @@ def check_model(model: str | os.PathLike | None, *, revision: str | None = None,
             raise ValueError(f"model={name!r} is a directory without a config.json, so not a Hugging Face model "
                              "directory. Pass a model directory, a hub id or an embedded model name.")
         return
-    spec = _lookup_embedded(name)
+    spec = lookup_embedded(name)
     if is_hub_id(name):
         if spec is None and _hub_offline() and not _hub_cached(name, revision, cache_dir):
             raise ModelNotAvailableError(_not_cached(name, revision, cache_dir))
@@ -307,7 +315,7 @@ def check_model(model: str | os.PathLike | None, *, revision: str | None = None,
     if spec is None:
         raise ValueError(f"model={name!r} is neither an existing local model directory, a hub id (org/name) nor an "
                          f"embedded model. Embedded models: {_embedded_names_text()}.")
-    _locate_parts(spec)  # ModelNotAvailableError with the pip command that installs it
+    locate_parts(spec)  # ModelNotAvailableError with the pip command that installs it
 
 
 def _not_cached(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> str:
@@ -391,8 +399,9 @@ def _package_dir(module: str) -> pathlib.Path | None:
     return pathlib.Path(next(iter(spec.submodule_search_locations)))
 
 
-def _locate_parts(spec: EmbeddedModel) -> list[pathlib.Path]:
-    """Paths of the GGUF pieces, or ``ModelNotAvailableError`` saying what to install."""
+def locate_parts(spec: EmbeddedModel) -> list[pathlib.Path]:
+    """Paths of the GGUF pieces, or ``ModelNotAvailableError`` saying what to install. Public so that a check of
+    the conversion can load the original GGUF file beside the converted model."""
     paths, missing = [], []
     for part in spec.parts:
         pkg = _package_dir(part.module)
@@ -411,11 +420,11 @@ def _locate_parts(spec: EmbeddedModel) -> list[pathlib.Path]:
 
 def is_embedded_available(name: str) -> bool:
     """Whether an embedded model's packages are installed (nothing is converted or loaded)."""
-    spec = _lookup_embedded(name)
+    spec = lookup_embedded(name)
     if spec is None:
         raise ValueError(f"Unknown embedded model {name!r}. Embedded models: {_embedded_names_text()}.")
     try:
-        _locate_parts(spec)
+        locate_parts(spec)
     except ModelNotAvailableError:
         return False
     return True
@@ -426,11 +435,16 @@ def _source_version(spec: EmbeddedModel) -> str:
     return "+".join(dict.fromkeys(_version_of(d) for d in spec.distributions))
 
 
-def _cache_folder_name(spec: EmbeddedModel) -> str:
+def cache_folder_name(spec: EmbeddedModel) -> str:
+    """The folder, under the cache root, that an embedded model converts into: its name, the installed version of
+    its packages and the conversion format, so an old conversion is never reused silently. Public so that a caller
+    can find (or clear) one model's conversion without converting it."""
     return f"{spec.name}-{_source_version(spec)}-v{_CACHE_FORMAT}"
 
 
-def _is_complete(path: pathlib.Path) -> bool:
+def is_complete(path: pathlib.Path) -> bool:
+    """Whether a conversion folder is finished (marker, config and weights): what resolve_model_dir checks before
+    reusing one. Public so that a check of interrupted or concurrent conversions asks the same question."""
     # A final dir only ever appears by renaming a finished staging dir, so this is a guard against
     # hand-made or tampered dirs rather than against our own half-written output.
     return (
@@ -463,16 +477,16 @@ def _exclusive_lock(lock_path: pathlib.Path) -> Iterator[bool]:
 def _ensure_converted(
     spec: EmbeddedModel, *, cache_dir: str | os.PathLike | None, progress: bool
 ) -> pathlib.Path:
-    parts = _locate_parts(spec)
+    parts = locate_parts(spec)
     root = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    folder = _cache_folder_name(spec)
+    folder = cache_folder_name(spec)
     final = root / folder
-    if _is_complete(final):
+    if is_complete(final):
         return final
 
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(root / f".{folder}.lock") as locked:
-        if _is_complete(final):  # another process finished while we waited for the lock
+        if is_complete(final):  # another process finished while we waited for the lock
             return final
         if locked:  # nobody else is converting: leftovers are from crashed runs
             for stale in root.glob(f".{folder}.tmp-*"):
@@ -489,7 +503,7 @@ def _ensure_converted(
             try:
                 os.rename(out, final)
             except OSError:
-                if not _is_complete(final):  # not a lost race: a real failure
+                if not is_complete(final):  # not a lost race: a real failure
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -547,7 +561,7 @@ def _convert_gguf(
     if progress:
         print(
             f"emllm: converting embedded model {spec.display_name} to safetensors (once; 20-90 s) "
-            f"into {out.parent.parent / _cache_folder_name(spec)}",
+            f"into {out.parent.parent / cache_folder_name(spec)}",
             file=sys.stderr,
             flush=True,
         )
@@ -622,7 +636,7 @@ _DTYPE_NAMES = {
 }
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
     """True on CPUs with native bf16 matrix instructions (AMX tiles or AVX512-BF16).
 
     ``torch.backends.cpu.get_cpu_capability()`` names AMX in some builds, but torch 2.13 reports only
@@ -631,6 +645,8 @@ def _cpu_has_fast_bf16() -> bool:
     1024x576x1536 matmul runs at 86-118 GFLOP/s in bf16 against 43 in fp32, and a 1024-token
     SmolLM2 prefill is about 1.4x faster in bf16 (measured on a busy machine). Plain AVX2/AVX512
     without bf16 instructions emulates bf16 and is slower than fp32, so it gets float32.
+
+    Public so that a caller (a test, a results record) can say which dtype "auto" gives on a CPU without loading.
     """
     if "AMX" in torch.backends.cpu.get_cpu_capability().upper():
         return True
@@ -650,12 +666,13 @@ def resolve_dtype(dtype: torch.dtype | str = "auto", device: str | torch.device 
     "auto" depends on the hardware (bfloat16 on CUDA with bf16 and on CPUs with native bf16, else float32), and
     answers differ slightly between dtypes: results that must be compared record what this returns, not "auto".
     """
-    return _resolve_dtype(dtype, _device_or_default(device))
+    return _resolve_dtype(dtype, device_or_default(device))
 
 
-def _device_or_default(device: str | torch.device | None) -> torch.device:
-    """The device load_model uses when none is given: CUDA when present. A device this torch cannot use is refused
-    here, before any weights are read, instead of by torch's assertion mid-load."""
+def device_or_default(device: str | torch.device | None) -> torch.device:
+    """The device load_model uses: ``device``, or CUDA when present and none is given. A device this torch cannot use
+    is refused here, before any weights are read, instead of by torch's assertion mid-load. Public so that a caller
+    can have a device checked (and the refusal's message read) without loading a model."""
     try:
         chosen = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     except (RuntimeError, TypeError) as error:
@@ -675,7 +692,7 @@ def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtyp
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
         if device.type == "cpu":
-            return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+            return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
         return torch.float32
     if key not in _DTYPE_NAMES:
         raise ValueError(f"dtype {dtype!r} not understood; use 'auto', 'float32', 'bfloat16' or 'float16'.")
@@ -716,7 +733,7 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     check_supported(config)
 
-    device = _device_or_default(device)
+    device = device_or_default(device)
     torch_dtype = resolve_dtype(dtype, device)
 
     with _progress_bars(progress):

@@ -290,7 +290,7 @@ def _manifest(memory: EpisodicMemory, engine: EngineLike, files: dict, kv_pages:
         "files": files,
         "metadata": metadata,
     }
-    manifest["checksum"] = _manifest_checksum(manifest)
+    manifest["checksum"] = manifest_checksum(manifest)
     return manifest
 
 
@@ -299,7 +299,10 @@ def _config_fields(config: EMConfig) -> dict[str, Any]:
     return {**fields, "scorer": scorer_to_spec(config.scorer)}
 
 
-def _manifest_checksum(manifest: dict[str, Any]) -> str:
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """The checksum a manifest carries (blake2b of every other field, keys sorted); load_memory refuses a manifest
+    whose checksum differs. Public so that a tool (or a test) that rewrites a manifest on purpose can sign it again,
+    and so reach the checks that come after this one."""
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     return hashlib.blake2b(json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
                            digest_size=32).hexdigest()
@@ -313,7 +316,7 @@ def _install(temp: Path, target: Path) -> None:
         os.rename(temp, target)
         _fsync_dir(parent)
         return
-    if _exchange(temp, target):  # atomic swap: target is the new save, temp now holds the old one
+    if exchange(temp, target):  # atomic swap: target is the new save, temp now holds the old one
         _fsync_dir(parent)
         shutil.rmtree(temp, ignore_errors=True)
         return
@@ -337,19 +340,22 @@ def _sibling(target: Path, kind: str) -> Path:
 
 
 _RENAME_EXCHANGE = 2
-_HAVE_EXCHANGE = True  # cleared on the first file system or platform without renameat2(RENAME_EXCHANGE)
+HAVE_EXCHANGE = True
+"""Whether to try an atomic exchange (renameat2 RENAME_EXCHANGE) when a save replaces another: cleared on the first
+platform without it. Public so that the rename-aside path can be forced (the crash tests cover both paths)."""
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux renameat2); False where unsupported."""
-    global _HAVE_EXCHANGE
-    if not _HAVE_EXCHANGE:
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where unsupported. Public as one of the file-system steps
+    a save takes, so that a crash test can stop a save at each of them."""
+    global HAVE_EXCHANGE
+    if not HAVE_EXCHANGE:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
-        _HAVE_EXCHANGE = False
+        HAVE_EXCHANGE = False
         return False
     at_fdcwd = -100
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
@@ -443,7 +449,7 @@ def _load_once(target: Path, engine: EngineLike, config: EMConfig | None) -> Epi
     info = manifest["memory"]
     expected = _expected_specs(info, manifest["model"])
     files = _check_files(manifest, expected, target)
-    state = _read_state(target / STATE_FILE, files[STATE_FILE], expected[STATE_FILE])
+    state = read_state(target / STATE_FILE, files[STATE_FILE], expected[STATE_FILE])
     _check_consistency(state, info, memory_config, target)
     memory = engine.new_memory(memory_config)
     try:
@@ -485,7 +491,7 @@ def _read_manifest(target: Path) -> dict[str, Any]:
     if version != FORMAT_VERSION:
         raise MemoryFileError(f"{path} has format version {version!r}; this emllm reads version {FORMAT_VERSION}. "
                               "Load it with the emllm release that saved it, or read the document again.")
-    if manifest.get("checksum") != _manifest_checksum(manifest):
+    if manifest.get("checksum") != manifest_checksum(manifest):
         raise MemoryFileError(f"{path} is damaged: its checksum does not match its content (edited or corrupted).")
     for key in ("model", "config", "memory", "files"):
         if not isinstance(manifest.get(key), dict):
@@ -619,7 +625,10 @@ def _check_files(manifest: dict[str, Any], expected: dict, target: Path) -> dict
     return files
 
 
-def _read_state(path: Path, entry: dict, expected: dict) -> dict[str, torch.Tensor]:
+def read_state(path: Path, entry: dict, expected: dict) -> dict[str, torch.Tensor]:
+    """The arrays of a save's state file, checked against its manifest ``entry`` (size and blake2b) and the
+    ``expected`` {name: dtype and shape}; MemoryFileError otherwise. Public as the step of load_memory that reads
+    the state after the manifest, so that a test can have a save land between the two (a load that races a save)."""
     data = path.read_bytes()
     if len(data) != entry["bytes"] or hashlib.blake2b(data, digest_size=32).hexdigest() != entry["blake2b"]:
         raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one saved (corrupted, "

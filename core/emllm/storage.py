@@ -478,7 +478,9 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
+def malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where the C library is not glibc. Public so that a caller can tell whether
+    release_freed_memory does anything on this platform."""
     try:
         return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator gives memory back its own way
@@ -490,7 +492,7 @@ def release_freed_memory() -> None:
     serves blocks that size from its main heap once its mmap threshold has risen (it does after the first such
     block is freed), and a hole inside the heap is not returned by free(): at 220K tokens of a 1M-token read with a
     2 GB RAM budget, 0.5 GB of a 3.7 GB heap was free but resident (malloc_stats)."""
-    trim = _malloc_trim()
+    trim = malloc_trim()
     if trim is not None:
         trim(0)
 

@@ -26,8 +26,9 @@ peak so far, which only grows: comparable between cells only in the order they r
 
 Modules: ``settings`` (names, defaults, argument checks, resuming), ``items`` (a task's documents and questions),
 ``measure`` (read_each, peak_rss_mb), ``harness`` (running cells), ``report`` (JSON, markdown, figures), ``probes``
-(the questions as token ids with their answer located, for the diagnostic scripts in benchmarks/) and ``tasks``
-(the task builders). Everything here is benchmark-only: the engine (``emllm``) imports none of it.
+(the questions as token ids with their answer located, for the diagnostic scripts in benchmarks/), ``suite`` (the
+quality suite read across runs, for benchmarks/suite_plot.py and suite_compare.py) and ``tasks`` (the task
+builders). Everything here is benchmark-only: the engine (``emllm``) imports none of it.
 """
 
 from .harness import run_bench, run_cell

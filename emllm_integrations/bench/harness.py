@@ -178,8 +178,9 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
     return peak_rss_mb()
 
 
-def _context_ids(engine: Any, item: TaskItem) -> list[int]:
-    """What is read once: the documents (a probe), or the chat turn up to the document's end (a RULER task)."""
+def context_ids(engine: Any, item: TaskItem) -> list[int]:
+    """What is read once: the documents (a probe), or the chat turn up to the document's end (a RULER task). Public
+    so that a diagnostic script (benchmarks/event_ranking.py) reads a task's context exactly as the bench does."""
     context = engine.tokenize(format_context(list(item.documents)))
     if item.questions[0][3]:
         return context
@@ -198,19 +199,19 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
                    emit: Callable[[dict[str, Any]], None]) -> None:
     """Answer every item's questions, each document read once (read_each shares the reading of documents that
     begin alike, as one haystack with needles at several depths does, and times each as if read alone)."""
-    contexts = [_context_ids(engine, item) for item in items]
+    contexts = [context_ids(engine, item) for item in items]
     reads = read_each(engine, contexts)
-    for index, (item, context_ids) in enumerate(zip(items, contexts)):
+    for index, (item, context) in enumerate(zip(items, contexts)):
         answered = 0
         try:
             memory, prefill = next(reads)
-            answers = _ask_all(engine, memory, item, context_ids, settings)
+            answers = _ask_all(engine, memory, item, context, settings)
             try:
                 event_size = memory.stats()["mean_event_size"] if method != "full" else None
                 for (question, expected, depth, _), (ids, result) in zip(item.questions, answers):
-                    emit(_row(item.task, method, length, len(ids), depth, question, expected, result.text,
-                              prefill, result.prefill_seconds, result.decode_seconds, result.output_tokens,
-                              result.new_input_tokens, event_size))
+                    emit(answer_row(item.task, method, length, len(ids), depth, question, expected, result.text,
+                                    prefill, result.prefill_seconds, result.decode_seconds, result.output_tokens,
+                                    result.new_input_tokens, event_size))
                     answered += 1
             finally:
                 answers.close()  # questions still running end before their memory closes
@@ -221,7 +222,7 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
             reads = read_each(engine, contexts[index + 1:])  # the shared reading broke off: start afresh
 
 
-def _ask_all(engine: Any, memory: Any, item: TaskItem, context_ids: list[int],
+def _ask_all(engine: Any, memory: Any, item: TaskItem, context: list[int],
              settings: BenchSettings) -> Generator[tuple[list[int], Any], None, None]:
     """(prompt ids, generation) for each of the item's questions, in order, each continuing from the memory that
     read the context: a fork of it when more questions follow (the answer's tokens would otherwise be read into it
@@ -233,8 +234,9 @@ def _ask_all(engine: Any, memory: Any, item: TaskItem, context_ids: list[int],
         with forking:
             asking = memory.fork() if len(item.questions) > 1 else memory
         try:
-            ids = context_ids + _question_ids(engine, item, text, lead)
-            return ids, engine.generate(ids, memory=asking, max_new_tokens=_max_new(settings, engine, expected))
+            ids = context + _question_ids(engine, item, text, lead)
+            budget = max_new_tokens_for(settings, engine, expected)
+            return ids, engine.generate(ids, memory=asking, max_new_tokens=budget)
         finally:
             if asking is not memory:
                 asking.close()
@@ -286,16 +288,16 @@ def _answer_rag(item: TaskItem, method: str, length: int, engine: Any, settings:
     def ask(question: tuple[str, str, float, str]) -> Any:
         text, expected, _, lead = question
         suffix = probe_suffix(text, lead) if lead else None
-        return rag.answer(text, _max_new(settings, engine, expected), suffix=suffix, chat=not lead)
+        return rag.answer(text, max_new_tokens_for(settings, engine, expected), suffix=suffix, chat=not lead)
 
     answered = 0
     answers = _in_order(ask, item.questions, settings.concurrent)
     try:
         for (question, expected, depth, lead), answer in zip(item.questions, answers):
             asked = tokens + len(_question_ids(engine, item, question, lead))
-            emit(_row(item.task, method, length, asked, depth, question,
-                      expected, answer.text, prefill, answer.retrieve_seconds + answer.prefill_seconds,
-                      answer.decode_seconds, answer.output_tokens, answer.input_tokens, None))
+            emit(answer_row(item.task, method, length, asked, depth, question,
+                            expected, answer.text, prefill, answer.retrieve_seconds + answer.prefill_seconds,
+                            answer.decode_seconds, answer.output_tokens, answer.input_tokens, None))
             answered += 1
     finally:
         answers.close()
@@ -366,9 +368,12 @@ def child_main() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- rows and checks
-def _row(task: str, method: str, length: int, tokens: int, depth: float, question: str,
-         expected: str | tuple[str, ...], output: str, prefill: float, query: float, decode: float, output_tokens: int,
-         tokens_read: int, event_size: float | None) -> dict[str, Any]:
+def answer_row(task: str, method: str, length: int, tokens: int, depth: float, question: str,
+               expected: str | tuple[str, ...], output: str, prefill: float, query: float, decode: float,
+               output_tokens: int, tokens_read: int, event_size: float | None) -> dict[str, Any]:
+    """One answered question's row (ROW_FIELDS): the output scored against every expected answer (RULER's string
+    match; right only with all of a list's items) and the measurements. Public so that the unit tests check a row's
+    scoring without a model."""
     answers = (expected,) if isinstance(expected, str) else tuple(expected)
     found = score(output, answers)
     return {"task": task, "method": method, "length": length, "tokens": tokens, "depth": depth,
@@ -396,9 +401,10 @@ def _expected_keys(settings: BenchSettings) -> list[tuple[str, float]]:
                           [i / settings.questions for i in range(settings.questions)])]
 
 
-def _max_new(settings: BenchSettings, engine: Any, expected: str | tuple[str, ...]) -> int:
-    """One answer: its tokens + 16 (room for a restated question); a list: LIST_ANSWER_TOKENS or its items' tokens
-    + 64 if more."""
+def max_new_tokens_for(settings: BenchSettings, engine: Any, expected: str | tuple[str, ...]) -> int:
+    """The tokens an answer may generate. One answer: its tokens + 16 (room for a restated question); a list:
+    LIST_ANSWER_TOKENS or its items' tokens + 64 if more; ``settings.max_new_tokens`` overrides both. Public so
+    that the unit tests check the budget without a model."""
     if isinstance(expected, str):
         return settings.max_new_tokens or engine.count_tokens(expected) + 16
     return settings.max_new_tokens or max(LIST_ANSWER_TOKENS, engine.count_tokens(" ".join(expected)) + 64)

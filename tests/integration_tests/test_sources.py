@@ -9,9 +9,8 @@ import pytest
 from llama_index.core import Document
 from llama_index.core.chat_engine import CondensePlusContextChatEngine, CondenseQuestionChatEngine
 
+from emllm_integrations.bench.tasks import essay_document
 from emllm_integrations.llama_index import EMLLM, EMLLMQueryEngine
-
-from .documents import essay_document
 
 QUESTIONS = {"lighthouse": ("What is the lighthouse keeper's cat called?", "biscuit"),
              "ferry": ("When does the ferry to the island leave?", "7:40")}

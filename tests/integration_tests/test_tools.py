@@ -14,9 +14,8 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from emllm.models import is_embedded_available
+from emllm_integrations.bench.tasks import essay_document
 from emllm_integrations.langchain import ChatEMLLM
-
-from .documents import essay_document
 
 AGENT_MODEL = "qwen2.5-coder-1.5b-instruct"
 needs_agent_model = pytest.mark.skipif(not is_embedded_available(AGENT_MODEL), reason=(

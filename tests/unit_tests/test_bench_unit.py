@@ -11,7 +11,7 @@ import pytest
 
 from emllm_integrations import bench
 from emllm_integrations.bench import ROW_FIELDS, BenchRequirementError, run_bench, summary, tasks, write_report
-from emllm_integrations.cli import _length, main
+from emllm_integrations.cli import main, parse_length
 from emllm_integrations.bench.tasks import probe_suffix
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -156,12 +156,12 @@ def test_full_attention_past_its_limit_is_skipped(capsys):
 @pytest.mark.parametrize("text, tokens", [("4096", 4096), ("4K", 4096), ("128k", 131072), ("1M", 1_048_576),
                                           ("32_768", 32768)])
 def test_cli_lengths_take_k_and_m_suffixes(text, tokens):
-    assert _length(text) == tokens
+    assert parse_length(text) == tokens
 
 
 def test_cli_refuses_bad_lengths_and_unknown_methods(capsys):
     with pytest.raises(argparse.ArgumentTypeError, match="write e.g. 4096, 4K or 1M"):
-        _length("4Q")
+        parse_length("4Q")
     assert main(["bench", "--tasks", "passkey", "--methods", "S", "rag-bert", "--lengths", "1K"]) == 2
     assert "Unknown method 'rag-bert'" in capsys.readouterr().err
 
@@ -297,7 +297,7 @@ def test_wilson_intervals_are_honest_at_the_edges_and_shrink_with_more_questions
 
 
 def test_a_question_with_several_answers_is_right_only_with_all_of_them():
-    from emllm_integrations.bench.harness import _row as harness_row
+    from emllm_integrations.bench.harness import answer_row as harness_row
 
     row = harness_row("niah_multivalue", "ER", 1024, 1100, 0.5, "q?", ("111", "222", "333", "444"),
                       "The numbers are 111, 222 and 444.", 1.0, 0.5, 0.2, 10, 20, 30.0)
@@ -335,15 +335,16 @@ def test_a_list_answer_has_room_for_a_restated_question_and_numbered_items():
     """A chat answer to a list question restates it and numbers its items: the items' tokens + 32 cut 4 of 5
     variable-tracking answers before their last item (0/20 for every method), so a list gets RULER's 128 tokens
     (more when its items need it); a single answer keeps its own length + 16, and --max-new-tokens overrides both."""
-    from emllm_integrations.bench.harness import _max_new
+    from emllm_integrations.bench.harness import max_new_tokens_for
     from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS
 
     class Counter:
         count_tokens = staticmethod(lambda text: len(text.split()))
 
     settings = bench.BenchSettings(("variable_tracking",), (0.5,))
-    assert _max_new(settings, Counter, ("WLFSO", "DAINK", "VQBUZ", "JKRFY", "TOTRK")) == LIST_ANSWER_TOKENS
-    assert _max_new(settings, Counter, tuple(f"w{i}" for i in range(100))) == 164
-    assert _max_new(settings, Counter, "7139117") == 17
-    assert _max_new(bench.BenchSettings(("variable_tracking",), (0.5,), max_new_tokens=9), Counter, ("a", "b")) == 9
+    assert max_new_tokens_for(settings, Counter, ("WLFSO", "DAINK", "VQBUZ", "JKRFY", "TOTRK")) == LIST_ANSWER_TOKENS
+    assert max_new_tokens_for(settings, Counter, tuple(f"w{i}" for i in range(100))) == 164
+    assert max_new_tokens_for(settings, Counter, "7139117") == 17
+    capped = bench.BenchSettings(("variable_tracking",), (0.5,), max_new_tokens=9)
+    assert max_new_tokens_for(capped, Counter, ("a", "b")) == 9
     assert bench.settings_record(settings)["list_answer_tokens"] == LIST_ANSWER_TOKENS  # a resume must match it

@@ -47,7 +47,9 @@ def fuzz(max_examples: int) -> settings:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _report_cases():
+def report_cases():
+    """Print CASES once the module's properties have run. Public: test_fuzz_api imports it with CASES, so that its
+    properties are counted and reported the same way."""
     yield
     print("\nfuzz cases run: " + ", ".join(f"{name}={n}" for name, n in sorted(CASES.items())))
 

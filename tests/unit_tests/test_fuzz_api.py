@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from emllm import EMConfig, EMEngine, GenerationResult, MemoryPool
 
-from .test_fuzz import CASES, _report_cases, fuzz  # noqa: F401  (the case counter and its report)
+from .test_fuzz import CASES, fuzz, report_cases  # noqa: F401  (the case counter and its report)
 from .tiny import TINY, tiny_model
 
 pytestmark = pytest.mark.timeout(600)

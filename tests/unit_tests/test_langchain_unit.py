@@ -180,16 +180,16 @@ def test_ls_params_report_the_model_and_a_per_call_override():
 
 def test_call_options_override_the_instance_and_are_checked_before_any_work():
     llm = ChatEMLLM(max_tokens=9, temperature=0.2, stop=["x"])
-    call = llm._call_options(None, {"temperature": 0.9, "seed": 4, "stream": True})
+    call = llm.call_options(None, {"temperature": 0.9, "seed": 4, "stream": True})
     assert call.model is None and call.tools is None and call.response_format is None
     options = call.sampling
     assert options == {"max_new_tokens": 9, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "seed": 4, "stop": ["x"]}
-    assert llm._call_options(["y"], {"model": "m"})[:2] == ("m", {**options, "temperature": 0.2, "seed": None,
+    assert llm.call_options(["y"], {"model": "m"})[:2] == ("m", {**options, "temperature": 0.2, "seed": None,
                                                                    "stop": ["y"]})
     with pytest.raises(TypeError, match=r"Unknown call option\(s\) \['temprature'\]"):
-        llm._call_options(None, {"temprature": 0.5})
+        llm.call_options(None, {"temprature": 0.5})
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
-        llm._call_options(None, {"max_tokens": 0})
+        llm.call_options(None, {"max_tokens": 0})
 
 
 def test_invoke_with_bad_input_fails_before_loading_weights():

@@ -159,9 +159,9 @@ def test_tools_are_prepared_for_chat_and_calls_read_back_without_loading_a_model
     assert prepared["tool_choice"] == "required" and prepared["messages"][-1].content == "1+2?"
     assert prepared["tools"][0]["function"]["name"] == "add"
     with pytest.raises(ValueError, match="names 'sub', which is not among the bound tools"):
-        llm._options({"tools": prepared["tools"], "tool_choice": "sub"}, tools_allowed=True)
+        llm.call_options({"tools": prepared["tools"], "tool_choice": "sub"}, tools_allowed=True)
     with pytest.raises(TypeError, match="unknown keyword argument"):
-        llm._options({"tools": prepared["tools"]})  # complete() takes no tools
+        llm.call_options({"tools": prepared["tools"]})  # complete() takes no tools
     answer = ChatResponse(message=ChatMessage(role="assistant", blocks=[
         TextBlock(text=""), ToolCallBlock(tool_call_id="c1", tool_name="add", tool_kwargs={"a": 1, "b": 2}),
         ToolCallBlock(tool_call_id="c2", tool_name="add", tool_kwargs={"a": 3, "b": 4})]))

@@ -86,7 +86,7 @@ def test_local_directory_resolves_to_itself(tmp_path):
     ],
 )
 def test_embedded_names_are_case_insensitive(name, expected):
-    spec = models._lookup_embedded(name)
+    spec = models.lookup_embedded(name)
     assert spec is not None and spec.name == expected
 
 
@@ -142,17 +142,17 @@ def test_qwen_install_hints_name_every_part_or_the_extra():
 
 def test_dtype_resolution():
     cpu = torch.device("cpu")
-    assert models._resolve_dtype("float32", cpu) is torch.float32
-    assert models._resolve_dtype("bfloat16", cpu) is torch.bfloat16
-    assert models._resolve_dtype("torch.float16", cpu) is torch.float16
-    assert models._resolve_dtype(torch.bfloat16, cpu) is torch.bfloat16
-    assert models._resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    assert models.resolve_dtype("float32", cpu) is torch.float32
+    assert models.resolve_dtype("bfloat16", cpu) is torch.bfloat16
+    assert models.resolve_dtype("torch.float16", cpu) is torch.float16
+    assert models.resolve_dtype(torch.bfloat16, cpu) is torch.bfloat16
+    assert models.resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
     with pytest.raises(ValueError, match="dtype"):
-        models._resolve_dtype("int8", cpu)
+        models.resolve_dtype("int8", cpu)
 
 
 def test_auto_dtype_is_bfloat16_exactly_where_the_cpu_has_native_bf16():
-    expected = torch.bfloat16 if models._cpu_has_fast_bf16() else torch.float32
+    expected = torch.bfloat16 if models.cpu_has_fast_bf16() else torch.float32
     assert models.resolve_dtype("auto", "cpu") is expected
     assert models.resolve_dtype("float16", "cpu") is torch.float16
     assert models.resolve_dtype() is models.resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
@@ -235,6 +235,6 @@ def test_load_model_from_tiny_local_directory(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_without_cuda_is_refused_before_loading():
     with pytest.raises(ValueError, match="has no usable CUDA device: use device='cpu'"):
-        models._device_or_default("cuda")
+        models.device_or_default("cuda")
     with pytest.raises(ValueError, match="is not a device torch knows"):
-        models._device_or_default("gpu0")
+        models.device_or_default("gpu0")

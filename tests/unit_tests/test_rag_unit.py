@@ -197,7 +197,7 @@ def test_local_directory_and_aliases_load_the_same_model():
 # ---------------------------------------------------------------------- all-mpnet-base-v2 (the paper's retriever)
 def _mpnet_installed() -> bool:
     try:
-        embeddings._mpnet_parts()
+        embeddings.mpnet_parts()
     except embeddings.EmbeddingNotAvailableError:
         return False
     return True

@@ -12,7 +12,7 @@ import torch
 
 from emllm import EMConfig, scoring as scoring_module
 from emllm.scoring import AttentionMass, ForQuestions, Pooled, Representatives, uses_stored_keys
-from emllm.persistence import ADDED_FIELDS, MANIFEST, _manifest_checksum, load_memory, save_memory
+from emllm.persistence import ADDED_FIELDS, MANIFEST, load_memory, manifest_checksum, save_memory
 from emllm.retrieval import fill_budget
 
 from .tiny import TINY, tiny_engine, token_ids
@@ -67,7 +67,7 @@ def test_a_memory_saved_before_a_setting_existed_loads_with_the_value_it_was_rea
     memory.close()
     manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
     del manifest["config"][field]  # what a save from before the field looks like
-    manifest["checksum"] = _manifest_checksum(manifest)
+    manifest["checksum"] = manifest_checksum(manifest)
     (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
     loaded = load_memory(tmp_path / "old", engine)
     assert getattr(loaded.config, field) == read_with
@@ -108,7 +108,7 @@ def test_a_memory_saved_with_the_retrieval_names_loads_with_the_scorer_they_name
     manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
     del manifest["config"]["scorer"]
     manifest["config"].update(retrieval_scoring=scoring, retrieval_pooling=pooling, read_question_alone=True)
-    manifest["checksum"] = _manifest_checksum(manifest)
+    manifest["checksum"] = manifest_checksum(manifest)
     (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
     loaded = load_memory(tmp_path / "old", engine)
     assert loaded.config.scorer == scorer

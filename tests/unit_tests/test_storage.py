@@ -437,7 +437,7 @@ def test_each_page_written_to_disk_hands_the_freed_heap_back(monkeypatch, tmp_pa
     assert len(calls) == 3
     store.close()
     monkeypatch.undo()
-    assert (storage._malloc_trim() is not None) == (sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION")
+    assert (storage.malloc_trim() is not None) == (sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION")
                                                     is not None)
     storage.release_freed_memory()  # the real call returns
 

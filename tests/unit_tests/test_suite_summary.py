@@ -1,16 +1,13 @@
-"""benchmarks/suite_plot.py and suite_compare.py: the arithmetic behind RESULTS.md's suite figure and goals."""
+"""emllm_integrations.bench.suite: the arithmetic behind RESULTS.md's suite figure (benchmarks/suite_plot.py) and
+goals (benchmarks/suite_compare.py)."""
 
 import json
 import pathlib
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
-import suite_compare  # noqa: E402
-import suite_plot  # noqa: E402
-
-from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS, SETTINGS_FILE  # noqa: E402
+from emllm_integrations.bench import suite
+from emllm_integrations.bench.settings import LIST_ANSWER_TOKENS, SETTINGS_FILE
 
 
 def _folder(root: pathlib.Path, name: str, rows: list[dict], list_answer_tokens: int | None) -> pathlib.Path:
@@ -32,25 +29,25 @@ def test_list_answers_cut_short_are_left_out_and_no_question_counts_twice(tmp_pa
                                          _row("niah_single", "E", "q2", True, 1.0)], list_answer_tokens=None)
     new = _folder(tmp_path, "suite_b", [_row("variable_tracking", "E", "q1", True, 1.0),
                                          _row("niah_single", "E", "q2", False, 0.0)], LIST_ANSWER_TOKENS)
-    cells = suite_plot.load_cells([old, new])
+    cells = suite.load_cells([old, new])
     assert cells[("variable_tracking", "E", 8192)] == {"q1": 1.0}  # the old run's list answer was cut short
     assert cells[("niah_single", "E", 8192)] == {"q2": 1.0}  # the first folder's answer to q2 stands
 
 
 def test_a_row_without_score_counts_as_right_or_wrong(tmp_path):
     folder = _folder(tmp_path, "suite_a", [_row("fact_qa", "S", "q", True)], LIST_ANSWER_TOKENS)
-    assert suite_plot.load_cells([folder])[("fact_qa", "S", 8192)] == {"q": 1.0}
+    assert suite.load_cells([folder])[("fact_qa", "S", 8192)] == {"q": 1.0}
 
 
 def test_a_folder_without_bench_files_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="emllm bench --out"):
-        suite_plot.load_cells([tmp_path])
+        suite.load_cells([tmp_path])
 
 
 def test_paired_difference_pairs_by_question():
     first = {f"q{i}": 1.0 for i in range(20)}
     second = {f"q{i}": float(i < 5) for i in range(20)} | {"only in second": 0.0}
-    mean, low, high, asked = suite_compare.paired_difference(first, second)
+    mean, low, high, asked = suite.paired_difference(first, second)
     assert asked == 20
     assert mean == pytest.approx(75.0)
     assert low < 75.0 < high <= 100.0
@@ -58,9 +55,9 @@ def test_paired_difference_pairs_by_question():
 
 def test_paired_difference_of_equal_cells_is_exactly_zero():
     cell = {f"q{i}": float(i % 2) for i in range(20)}
-    assert suite_compare.paired_difference(cell, dict(cell))[:3] == (0.0, 0.0, 0.0)
+    assert suite.paired_difference(cell, dict(cell))[:3] == (0.0, 0.0, 0.0)
 
 
 def test_cells_of_different_documents_are_refused():
     with pytest.raises(ValueError, match="share no question"):
-        suite_compare.paired_difference({"a": 1.0}, {"b": 0.0})
+        suite.paired_difference({"a": 1.0}, {"b": 0.0})
