@@ -181,22 +181,22 @@ def attend_fused_cuda(kernel: str, query: torch.Tensor, key: torch.Tensor, value
     log-sum-exp). Both give the natural-log log-sum-exp in float32; the memory-efficient one pads it along the
     queries to a multiple of 32, so it is cut back to the queries asked."""
     if kernel == "flash":
-        return _flash_op(query, key, value, causal, scaling)
+        return flash_op(query, key, value, causal, scaling)
     mask = None if bias is None else efficient_bias(bias, query.shape[1], query.shape[2], query.dtype)
-    out, lse = _efficient_op(query, key, value, mask, causal, scaling)
+    out, lse = efficient_op(query, key, value, mask, causal, scaling)
     return out, lse[..., :query.shape[2]]
 
 
-def _flash_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+             scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """aten's flash attention: (output, log-sum-exp [B, H, q] float32). Apart so tests can stand in for it."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False,
                                                                   scale=scaling)[:2]
     return out, lse
 
 
-def _efficient_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                  causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def efficient_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """aten's memory-efficient attention: (output, log-sum-exp [B, H, q rounded up to 32] float32)."""
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, mask, True, 0.0, causal,
                                                                       scale=scaling)[:2]

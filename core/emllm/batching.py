@@ -167,7 +167,7 @@ def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
 
 
 @functools.cache
-def _libgomp_pause() -> Callable[[int], int] | None:
+def libgomp_pause() -> Callable[[int], int] | None:
     """libgomp's omp_pause_resource_all, if the OpenMP runtime torch loaded is libgomp (Linux wheels); else None."""
     try:
         with open("/proc/self/maps") as maps:
@@ -193,6 +193,6 @@ def release_thread_workers() -> None:
     held 8 conversations at 2.7x one conversation's tokens/s. So a generation releases its thread's pool before it
     waits on others' steps and when it ends, as do a read, a fork and the engine's load: while a batch runs, only
     its leader's pool is alive. Numerics do not change (the thread count stays torch's)."""
-    pause = _libgomp_pause()
+    pause = libgomp_pause()
     if pause is not None:
         pause(1)  # omp_pause_soft: the calling thread's pool only (its workers exit; the runtime stays initialised)

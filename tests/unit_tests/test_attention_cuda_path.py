@@ -53,8 +53,8 @@ def fake_efficient(query, key, value, mask, causal, scaling):
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """Route attend on CPU tensors through cuda_kernel's choice and the stand-in operators."""
-    monkeypatch.setattr(attention, "_flash_op", fake_flash)
-    monkeypatch.setattr(attention, "_efficient_op", fake_efficient)
+    monkeypatch.setattr(attention, "flash_op", fake_flash)
+    monkeypatch.setattr(attention, "efficient_op", fake_efficient)
     chosen = []
 
     def route(query, bias):
@@ -153,7 +153,7 @@ def test_fused_path_with_a_bias_takes_the_efficient_kernel(fused_on_cpu, dtype, 
 
 
 def test_attend_fused_cuda_cuts_the_padded_log_sum_exp(monkeypatch):
-    monkeypatch.setattr(attention, "_efficient_op", fake_efficient)
+    monkeypatch.setattr(attention, "efficient_op", fake_efficient)
     query, key, value = qkv(3, 5, 8)
     _, lse = attend_fused_cuda("efficient", query, key, value, 0.3, False)
     assert lse.shape == (1, 3, 5) and not lse.isnan().any()

@@ -146,9 +146,9 @@ def test_a_thread_releases_its_idle_openmp_workers():
     """Each thread that runs a parallel torch op keeps its own OpenMP workers; once they outnumber the cores,
     libgomp stops its workers spinning and every op pays a wake-up (a batched step 270 ms instead of 190 on 2 cores,
     docs/notes/batching.md). Released, a thread's workers exit, and its next op computes as before with new ones."""
-    from emllm.batching import _libgomp_pause, release_thread_workers
+    from emllm.batching import libgomp_pause, release_thread_workers
 
-    if _libgomp_pause() is None:
+    if libgomp_pause() is None:
         pytest.skip("torch's OpenMP runtime here is not libgomp (or /proc is absent): nothing to release")
     x = torch.randn(4096, 1024)
     counts, sums = {}, []
