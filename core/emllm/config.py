@@ -17,12 +17,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .scoring import EventText, ForQuestions, Fused, Representatives, Scorer, uses_event_text
+from .scoring import EventText, ForQuestions, Fused, Representatives, Scorer, relevance_bias_of, representative_search
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
-RetrievalBackend = Literal["auto", "torch", "faiss"]
 MemoryPositions = Literal["fixed", "ordered"]
 
 DEFAULT_PRESET = "E"
@@ -37,7 +36,12 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class EMConfig:
-    # --- context layout (tokens) ---
+    """What a user sets, in four sections (SECTIONS): the context layout, how events are cut, how they are retrieved,
+    and where they are stored. Every field is a keyword (``EMConfig(n_local=4096)``, ``EMConfig.from_preset("E",
+    n_mem=1024)``); a scorer's own parameters live on the scorer object (``scorer=Representatives(backend="faiss")``).
+    """
+
+    # --- layout: what attention spans (tokens) ---
     n_init: int = 128
     """Attention-sink tokens kept from the very start of the input."""
     n_local: int = 2048
@@ -47,7 +51,12 @@ class EMConfig:
     chunk_size: int = 512
     """Tokens per forward pass while reading input; retrieval runs once per chunk."""
 
-    # --- event segmentation ---
+    attention: AttentionMode = "episodic"
+    """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
+    memory_positions: MemoryPositions = "fixed"
+    """Memory keys all at one distance ("fixed", paper/InfLLM) or in input order before the window ("ordered")."""
+
+    # --- segmentation: where events are cut ---
     segmentation: Segmentation = "surprise"
     """Where events are cut: "surprise" (the paper, Eq. 1) or "fixed" every max_block_size tokens (InfLLM)."""
     refinement: Refinement = "none"
@@ -61,7 +70,7 @@ class EMConfig:
     max_block_size: int = 128
     """The longest event, in tokens (a longer surprise-free stretch is cut)."""
 
-    # --- retrieval ---
+    # --- retrieval: which events each layer attends to ---
     repr_topk: int = 4
     """Tokens per event (per KV head) whose keys, averaged, represent the event for k-NN."""
     contiguity: float = 0.0
@@ -72,22 +81,10 @@ class EMConfig:
     """Ranks each layer's events for retrieval (emllm.scoring): Representatives() is the paper's k-NN."""
     event_embedding: str = "minilm"
     """The sentence-transformers model that embeds event text for EventText scorers: "minilm", "mpnet" or a folder."""
-    # EpMAN's differentiating attention without training: attention leans to the retrieved events whose text the
-    # question ranks first (forward.relevance_bias). Needs an EventText scorer.
-    relevance_bias: float = 0.0
-    """Answering: add this * (event's text cosine - best retrieved one's) to its keys' logits (EpMAN); 0 = off."""
-    retrieval_backend: RetrievalBackend = "auto"
-    """Search representatives with "torch", "faiss", or "auto" (faiss from faiss_min_events events on)."""
-    faiss_min_events: int = 20_000
-    """With retrieval_backend "auto", layers holding at least this many events are searched with faiss."""
+    # A scorer's own parameters live on the scorer: Representatives(backend=..., faiss_min_events=...) for how the
+    # representatives are searched, EventText(relevance_bias=...) for EpMAN's differentiating attention.
 
-    # --- attention ---
-    attention: AttentionMode = "episodic"
-    """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
-    memory_positions: MemoryPositions = "fixed"
-    """Memory keys all at one distance ("fixed", paper/InfLLM) or in input order before the window ("ordered")."""
-
-    # --- storage ---
+    # --- storage: where evicted events live, and how much may be read ---
     page_tokens: int = 1024
     """Evicted tokens per storage page (the unit moved between device, RAM and disk)."""
     ram_budget_mb: float | None = None
@@ -107,8 +104,7 @@ class EMConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         positive = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
-                    "surprise_window", "contiguity_neighbours", "page_tokens",
-                    "faiss_min_events"]
+                    "surprise_window", "contiguity_neighbours", "page_tokens"]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -118,18 +114,15 @@ class EMConfig:
         _check_choice("segmentation", self.segmentation, get_args(Segmentation))
         _check_choice("refinement", self.refinement, get_args(Refinement))
         _check_choice("attention", self.attention, get_args(AttentionMode))
-        _check_choice("retrieval_backend", self.retrieval_backend, get_args(RetrievalBackend))
         _check_choice("memory_positions", self.memory_positions, get_args(MemoryPositions))
         if not isinstance(self.scorer, Scorer):
             raise ConfigError(f"scorer must be a scorer object with a score(step) method (emllm.scoring: "
                               f"Representatives(), Pooled(ForQuestions()), ...), got {self.scorer!r}.")
-        if (not isinstance(self.relevance_bias, (int, float)) or isinstance(self.relevance_bias, bool)
-                or not 0 <= self.relevance_bias < float("inf")):
-            raise ConfigError(f"relevance_bias is a finite number >= 0 (0 = off), got {self.relevance_bias!r}.")
-        if self.relevance_bias and not uses_event_text(self.scorer):
-            raise ConfigError(f"relevance_bias weights retrieved events by their text's cosine with the question, "
-                              f"which scorer {self.scorer!r} does not compute: use a preset with EventText (E, ER) "
-                              "or set relevance_bias=0.")
+        try:  # one search setting and one relevance bias per memory, however the scorer is composed
+            representative_search(self.scorer)
+            relevance_bias_of(self.scorer)
+        except ValueError as error:
+            raise ConfigError(f"scorer {self.scorer!r}: {error}") from None
         if not isinstance(self.event_embedding, (str, os.PathLike)) or not str(self.event_embedding).strip():
             raise ConfigError(f"event_embedding must name a sentence-transformers model (\"minilm\", \"mpnet\" or a "
                               f"local folder), got {self.event_embedding!r}.")
@@ -213,11 +206,25 @@ class EMConfig:
         key = _PRESET_ALIASES.get(preset.strip().upper().replace(" ", "")) if isinstance(preset, str) else None
         if key is None:
             raise ConfigError(f"Unknown preset {preset!r}. Choose one of: {', '.join(PRESETS)}.")
+        moved = [f"{name} is now {MOVED_FIELDS[name]}" for name in overrides if name in MOVED_FIELDS]
+        if moved:
+            raise ConfigError(f"{'; '.join(moved)}: a scorer's own parameters live on the scorer, e.g. "
+                              "scorer=ForQuestions(answering=EventText(relevance_bias=2.0)) (preset ED).")
         unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError(f"Unknown config field(s) {unknown}. Valid fields: "
                               f"{', '.join(f.name for f in dataclasses.fields(cls))}.")
         return cls(**{**PRESETS[key], **overrides})
+
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "layout": ("n_init", "n_local", "n_mem", "chunk_size", "attention", "memory_positions"),
+    "segmentation": ("segmentation", "refinement", "gamma", "surprise_window", "min_block_size", "max_block_size"),
+    "retrieval": ("repr_topk", "contiguity", "contiguity_neighbours", "scorer", "event_embedding"),
+    "storage": ("page_tokens", "ram_budget_mb", "device_budget_mb", "offload_dir", "disk_budget_mb",
+                "max_input_tokens"),
+}
+"""EMConfig's fields by section, in order: docs/config.md is laid out by it (a test holds every field to one)."""
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -244,9 +251,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "ER": dict(segmentation="surprise", refinement="none", contiguity=0.3,
                scorer=ForQuestions(answering=Fused((EventText(), Representatives())))),
     # ED: E with EpMAN's differentiating attention (attention leans to the events the question ranks first).
-    "ED": dict(segmentation="surprise", refinement="none", contiguity=0.3, relevance_bias=2.0,
-               scorer=ForQuestions(answering=EventText())),
+    "ED": dict(segmentation="surprise", refinement="none", contiguity=0.3,
+               scorer=ForQuestions(answering=EventText(relevance_bias=2.0))),
 }
+#: Fields of earlier EMConfigs that are now parameters of a scorer (saved memories with them still load).
+MOVED_FIELDS = {"relevance_bias": "EventText(relevance_bias=...)", "retrieval_backend": "Representatives(backend=...)",
+                "faiss_min_events": "Representatives(faiss_min_events=...)"}
 _PRESET_ALIASES = {name.upper(): name for name in PRESETS}
 
 
@@ -265,8 +275,9 @@ def reference_markdown() -> str:
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(next_node, ast.Expr)
             and isinstance(next_node.value, ast.Constant) and isinstance(next_node.value.value, str)}
     defaults = EMConfig()
-    rows = [f"| `{f.name}` | `{getattr(defaults, f.name)!r}` | {docs.get(f.name, '')} |"
-            for f in dataclasses.fields(EMConfig)]
+    rows = [line for section, names in SECTIONS.items()
+            for line in (f"| **{section}** | | |",
+                         *(f"| `{name}` | `{getattr(defaults, name)!r}` | {docs.get(name, '')} |" for name in names))]
     presets = [f"| `{name}` | {', '.join(f'{k}={v!r}' for k, v in fields.items())} |"
                for name, fields in PRESETS.items()]
     return "\n".join([
@@ -281,4 +292,7 @@ def reference_markdown() -> str:
         "Scorers (`emllm.scoring`): `Representatives()` (the paper's k-NN), `AttentionMass()`, `EventText()` (the "
         "question's embedding against each event's text), `ForQuestions(reading, answering)`, `Pooled(inner)`, "
         "`Fused(parts, weights)`; compose them, e.g. `scorer=ForQuestions(answering=Fused((EventText(), "
-        "Representatives())))`.", ""])
+        "Representatives())))`. A scorer's own parameters are set on it: `Representatives(backend=\"auto\", "
+        "faiss_min_events=20000)` (how each layer's representatives are searched: torch, faiss, or faiss from that "
+        "many events on) and `EventText(relevance_bias=0.0)` (EpMAN's differentiating attention: answering forwards "
+        "lean to the retrieved events whose text the question ranks first; preset ED sets 2.0).", ""])

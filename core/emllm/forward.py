@@ -101,10 +101,10 @@ def attribute_token(memory: EpisodicMemory, layer: LayerMemory, q_local: torch.T
 
 
 def relevance_bias(layer: LayerMemory, memory: EpisodicMemory) -> torch.Tensor | None:
-    """[sinks + retrieved tokens] the logit bias of EpMAN's differentiating attention (EMConfig.relevance_bias):
+    """[sinks + retrieved tokens] the logit bias of EpMAN's differentiating attention (EventText(relevance_bias=...)):
     relevance_bias * (each retrieved event's text cosine - the best retrieved one's) on its tokens, 0 on the sinks;
     None where it is off, outside answering forwards, or with nothing retrieved."""
-    strength, scores = memory.config.relevance_bias, memory.plan.text_scores
+    strength, scores = memory.relevance_bias, memory.plan.text_scores
     if not strength or scores is None or not layer.retrieved_ids:
         return None
     events = torch.tensor(layer.retrieved_ids)

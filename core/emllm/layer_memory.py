@@ -17,7 +17,7 @@ from .attention import received_by_steps
 from .config import EMConfig
 from .retrieval import ContiguityBuffer, RepresentativeIndex
 from .rope import RotaryTable
-from .scoring import uses_stored_keys
+from .scoring import representative_search, uses_stored_keys
 from .storage import PageStore
 
 
@@ -54,7 +54,7 @@ class LayerMemory:
         self.rotated_length = 0    # prefix of `rotated` that is valid for the current window start
         self.sink_keys = torch.empty(kv, 0, d, dtype=shape.dtype, device=device)  # rotated at position 0
         self.sink_values = torch.empty(kv, 0, d, dtype=shape.dtype, device=device)
-        self.index = RepresentativeIndex(kv * d, device, config.retrieval_backend, config.faiss_min_events)
+        self.index = RepresentativeIndex(kv * d, device, *representative_search(config.scorer))
         self.contiguity = ContiguityBuffer(config.contiguity_tokens, config.contiguity_neighbours)
         self.retrieved_ids: tuple[int, ...] = ()
         self.memory_keys = self.sink_keys      # [kv, m, d] sinks + retrieved events, rotated at position 0

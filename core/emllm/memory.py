@@ -29,7 +29,7 @@ from .event_texts import EventTexts
 from .layer_memory import LayerMemory, ModelShape
 from .retrieval import gather_events, token_index_of_events
 from .rope import RotaryTable
-from .scoring import RetrievalPlan
+from .scoring import RetrievalPlan, relevance_bias_of
 from .storage import PageStore, release_freed_memory
 
 
@@ -72,6 +72,9 @@ class EpisodicMemory:
         # The events' text and the question's (scoring.EventText); the engine gives it an embedder when the scorer
         # reads event text.
         self.texts = EventTexts()
+        # EpMAN's differentiating attention (EventText(relevance_bias=...)): how strongly answering forwards lean to
+        # the retrieved events whose text the question ranks first; 0 = off.
+        self.relevance_bias = relevance_bias_of(config.scorer)
         self.on_fork: Callable[[EpisodicMemory], None] | None = None  # set by the engine: forks close with it
         # Facts that change only when events are evicted, pins change or a question is asked, kept for every forward
         # (and every layer of it) until then: (what they were computed from, the fact).

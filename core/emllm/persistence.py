@@ -46,7 +46,8 @@ import torch
 
 from .config import ConfigError, EMConfig
 from .memory import EpisodicMemory
-from .scoring import scorer_from_names, scorer_from_spec, scorer_to_spec
+from .scoring import (EventText, Representatives, representative_search, scorer_from_names, scorer_from_spec,
+                      scorer_to_spec, with_parameters)
 from .storage import PageStore, StorageFullError, process_alive
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ KV_FILE = "kv.safetensors"
 PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
                     "max_input_tokens")
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
-ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm", "relevance_bias": 0.0}
+ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm"}
 # Config fields of earlier releases that the scorer objects replaced (retrieval_scoring, retrieval_pooling) or that
 # were removed, with the values a file may hold and still load: read_question_alone only chose how later prompts are
 # cut into forwards (now always alone), so either; decode_retrieve_every and refine_layers only their kept value (1;
@@ -563,6 +564,20 @@ def _current_config_fields(saved: dict[str, Any], target: Path) -> dict[str, Any
                                                 saved.pop("retrieval_pooling", "none"))
     except ValueError as error:
         raise MemoryFileError(f"{target / MANIFEST}: the saved scorer cannot be rebuilt: {error}") from error
+    # Fields that became scorer parameters (config.MOVED_FIELDS): the saved value goes onto the scorer's parts.
+    backend, faiss_min_events = saved.pop("retrieval_backend", None), saved.pop("faiss_min_events", None)
+    bias = saved.pop("relevance_bias", None)
+    try:
+        if backend is not None or faiss_min_events is not None:
+            search = dict(zip(("backend", "faiss_min_events"), representative_search(saved["scorer"])))
+            search.update({k: v for k, v in (("backend", backend), ("faiss_min_events", faiss_min_events))
+                           if v is not None})
+            saved["scorer"] = with_parameters(saved["scorer"], Representatives, **search)
+        if bias:
+            saved["scorer"] = with_parameters(saved["scorer"], EventText, relevance_bias=bias)
+    except ValueError as error:
+        raise MemoryFileError(f"{target / MANIFEST}: the saved retrieval settings cannot be restored: {error}") \
+            from error
     for name, readable in REPLACED_FIELDS.items():
         if name in saved and saved.pop(name) not in readable:
             raise MemoryFileError(f"{target / MANIFEST}: saved with {name} set to a value this emllm no longer "

@@ -22,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast, get_args, runtime_checkable
 
 import torch
 
@@ -73,11 +73,37 @@ class Scorer(Protocol):
         ...
 
 
+def short_repr(scorer: Any) -> str:
+    """A scorer as it would be written: only the parameters that differ from their defaults (Representatives(), not
+    Representatives(backend='auto', faiss_min_events=20000)), so presets, docs and errors read as code does."""
+    changed = [f"{f.name}={getattr(scorer, f.name)!r}" for f in dataclasses.fields(scorer)
+               if f.default is dataclasses.MISSING or getattr(scorer, f.name) != f.default]
+    return f"{type(scorer).__name__}({', '.join(changed)})"
+
+
+SearchBackend = Literal["auto", "torch", "faiss"]
+
+
 @dataclass(frozen=True)
 class Representatives:
     """The paper's retrieval: the forward's mean query dotted with each event's representative key (the mean key of
     its most-attended tokens). Cheap and independent of memory size; with faiss only the best ``candidates`` events
     are scored exactly, the rest get -inf."""
+
+    __repr__ = short_repr
+
+    backend: SearchBackend = "auto"
+    """Search the representatives with "torch", "faiss", or "auto" (faiss from faiss_min_events events on)."""
+    faiss_min_events: int = 20_000
+    """With backend "auto", layers holding at least this many events are searched with faiss."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in get_args(SearchBackend):
+            raise ValueError(f"Representatives' backend must be one of {get_args(SearchBackend)}, got "
+                             f"{self.backend!r}.")
+        value = self.faiss_min_events
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"Representatives' faiss_min_events must be a positive integer, got {value!r}.")
 
     def score(self, step: ScoringStep) -> torch.Tensor:
         index = step.layer.index
@@ -93,6 +119,8 @@ class AttentionMass:
     """The attention a strided sample of the forward's queries (at most 256 rows per KV head) would give each
     event's stored tokens under one softmax over all of them: what full attention over the memory would look at.
     Reads every stored key of the layer (a float32 copy of them with no memory budget, the pages otherwise)."""
+
+    __repr__ = short_repr
 
     uses_stored_keys = True
 
@@ -110,6 +138,8 @@ class ForQuestions:
     question and every generated token), each answering forward ranking by the sum of what all the answer's
     forwards so far gave each event: one generated token's query is a noisy guide (at 128K the token before the
     number dropped the needle from 23 to 15 of 30 layers). Reading keeps the paper's cost; the question decides."""
+
+    __repr__ = short_repr
 
     reading: Scorer = Representatives()
     answering: Scorer = AttentionMass()
@@ -142,6 +172,8 @@ class Pooled:
     0, deviation 1, so no layer's scale dominates): a fact a question points at is often found first by a few middle
     layers, and pooled, their evidence reaches every later layer instead of staying in those few."""
 
+    __repr__ = short_repr
+
     inner: Scorer = Representatives()
 
     @property
@@ -169,8 +201,19 @@ class EventText:
     far more often past the window. Only an answering forward has a question: compose it as
     ``ForQuestions(answering=EventText())``; a prompt with no new text to ask gets no preference (all zeros)."""
 
+    __repr__ = short_repr
+
+    relevance_bias: float = 0.0
+    """Answering: add this * (event's text cosine - best retrieved one's) to its keys' logits (EpMAN's differentiating
+    attention, forward.relevance_bias); 0 = off."""
+
     uses_event_text = True
     query_free = True
+
+    def __post_init__(self) -> None:
+        value = self.relevance_bias
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+            raise ValueError(f"EventText's relevance_bias is a finite number >= 0 (0 = off), got {value!r}.")
 
     def score(self, step: ScoringStep) -> torch.Tensor:
         scores = step.plan.text_scores
@@ -187,6 +230,8 @@ class Fused:
     """The sum of several scorers' standardised scores (each mean 0, deviation 1, times its weight): two views of the
     same events, e.g. what the question means (EventText) and what the model's layers attend to
     (Representatives), each rescuing facts the other ranks low. Every part scores every event exactly."""
+
+    __repr__ = short_repr
 
     parts: tuple[Scorer, ...] = (Representatives(),)
     weights: tuple[float, ...] = ()
@@ -229,6 +274,8 @@ class Pinned:
     """``inner``'s scores with the events holding pinned spans (EpisodicMemory.pin) at +inf, so they are retrieved
     first, in input order, inside the similarity budget."""
 
+    __repr__ = short_repr
+
     inner: Scorer
     events: tuple[int, ...]
 
@@ -248,6 +295,53 @@ class Pinned:
         scores = self.inner.score(step).float().clone()
         scores[list(self.events)] = float("inf")
         return scores
+
+
+def parts(scorer: Scorer) -> Iterator[Scorer]:
+    """The scorer and every scorer composed into it, depth first."""
+    yield scorer
+    if dataclasses.is_dataclass(scorer):
+        for field in dataclasses.fields(scorer):
+            value = getattr(scorer, field.name)
+            for inner in value if isinstance(value, tuple) else (value,):
+                if isinstance(inner, Scorer):
+                    yield from parts(inner)
+
+
+def with_parameters(scorer: Scorer, kind: type, **changes: Any) -> Scorer:
+    """The scorer with ``changes`` made to every part of type ``kind`` (e.g. every Representatives' backend)."""
+    if not dataclasses.is_dataclass(scorer):
+        return scorer
+    inner: dict[str, Any] = {}
+    for field in dataclasses.fields(scorer):
+        value = getattr(scorer, field.name)
+        if isinstance(value, tuple) and value and all(isinstance(v, Scorer) for v in value):
+            inner[field.name] = tuple(with_parameters(v, kind, **changes) for v in value)
+        elif isinstance(value, Scorer):
+            inner[field.name] = with_parameters(value, kind, **changes)
+    own = changes if isinstance(scorer, kind) else {}
+    return dataclasses.replace(cast(Any, scorer), **inner, **own) if inner or own else scorer
+
+
+def representative_search(scorer: Scorer) -> tuple[str, int]:
+    """(backend, faiss_min_events) of the scorer's Representatives parts, which every layer's index searches with;
+    the defaults where it has none. Parts that disagree are refused: one index serves them all."""
+    settings = {(p.backend, p.faiss_min_events) for p in parts(scorer) if isinstance(p, Representatives)}
+    if len(settings) > 1:
+        raise ValueError(f"The scorer's Representatives parts search differently ({sorted(settings)}); one index per "
+                         "layer serves them all: give them the same backend and faiss_min_events.")
+    default = Representatives()
+    return settings.pop() if settings else (default.backend, default.faiss_min_events)
+
+
+def relevance_bias_of(scorer: Scorer) -> float:
+    """The relevance_bias of the scorer's EventText parts (0 where it has none); parts that disagree are refused:
+    attention takes one bias."""
+    biases = {float(p.relevance_bias) for p in parts(scorer) if isinstance(p, EventText)}
+    if len(biases) > 1:
+        raise ValueError(f"The scorer's EventText parts ask for different relevance_bias values ({sorted(biases)}); "
+                         "attention takes one: give them the same.")
+    return biases.pop() if biases else 0.0
 
 
 def uses_stored_keys(scorer: Scorer) -> bool:
@@ -311,7 +405,7 @@ def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:
 def _field_to_spec(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_field_to_spec(v) for v in value]
-    return value if isinstance(value, (int, float)) else scorer_to_spec(value)
+    return value if isinstance(value, (int, float, str)) else scorer_to_spec(value)
 
 
 def scorer_from_spec(spec: Any) -> Scorer:
@@ -320,12 +414,16 @@ def scorer_from_spec(spec: Any) -> Scorer:
         raise ValueError(f"not a description of one of emllm's scorers ({', '.join(BUILT_IN)}): {spec!r}")
     cls = BUILT_IN[spec["type"]]
     fields = {f.name for f in dataclasses.fields(cls)}
-    if set(spec) - {"type"} != fields:
+    unknown = set(spec) - {"type"} - fields
+    if unknown:
         raise ValueError(f"{spec['type']} takes {sorted(fields)}, the description has {sorted(set(spec) - {'type'})}")
-    return cls(**{name: _field_from_spec(spec[name]) for name in fields})
+    # A parameter added since the description was written is left at its default (what the memory was read with).
+    return cls(**{name: _field_from_spec(spec[name]) for name in fields if name in spec})
 
 
 def _field_from_spec(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_field_from_spec(v) for v in value)
-    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else scorer_from_spec(value)
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        return value
+    return scorer_from_spec(value)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from emllm import EMConfig, EMEngine
-from emllm.scoring import ForQuestions, Pooled
+from emllm.scoring import ForQuestions, Pooled, Representatives, with_parameters
 from emllm_integrations.bench.tasks import needle_document, passkey_document
 
 from .conftest import SMOL
@@ -60,7 +60,8 @@ def test_disk_offload_gives_the_same_answer_and_cleans_up(smol_fast, doc, in_ram
 
 
 def test_faiss_and_torch_retrieval_give_the_same_answer(smol_fast, doc, in_ram_answer):
-    engine = _engine(smol_fast, retrieval_backend="faiss")
+    engine = _engine(smol_fast, scorer=with_parameters(EMConfig.from_preset("SM").scorer, Representatives,
+                                                       backend="faiss"))
     memory = engine.new_memory()
     result = engine.generate(doc.prompt, memory=memory, max_new_tokens=8)
     assert memory.layers[0].index.uses_faiss()

@@ -2,10 +2,12 @@
 
 import dataclasses
 import math
+import re
 
 import pytest
 
 from emllm.config import DEFAULT_PRESET, PRESETS, ConfigError, EMConfig
+from emllm.scoring import EventText, ForQuestions, Fused, Representatives
 
 # The paper's ablation names and what each must mean (design.md section 4).
 EXPECTED_PRESETS = {
@@ -23,8 +25,7 @@ EXPECTED_PRESETS = {
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
-                       "surprise_window", "contiguity_neighbours", "page_tokens",
-                       "faiss_min_events"]
+                       "surprise_window", "contiguity_neighbours", "page_tokens"]
 
 
 # ----------------------------------------------------------------------------- presets
@@ -48,12 +49,12 @@ def test_every_preset_name_is_covered():
 
 
 def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
-    from emllm.scoring import EventText, ForQuestions, Fused, Representatives
+    from emllm.scoring import relevance_bias_of
 
     assert EMConfig.from_preset("E").scorer == ForQuestions(answering=EventText())
     assert EMConfig.from_preset("ER").scorer == ForQuestions(answering=Fused((EventText(), Representatives())))
-    assert EMConfig.from_preset("ED").scorer == EMConfig.from_preset("E").scorer
-    assert EMConfig.from_preset("ED").relevance_bias > 0 == EMConfig.from_preset("E").relevance_bias
+    assert EMConfig.from_preset("ED").scorer == ForQuestions(answering=EventText(relevance_bias=2.0))
+    assert relevance_bias_of(EMConfig.from_preset("ED").scorer) > 0 == relevance_bias_of(EMConfig.from_preset("E").scorer)
     for name in ("E", "ER", "ED"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
@@ -138,7 +139,7 @@ def test_unknown_field_names_the_typo_and_lists_valid_fields():
 
 @pytest.mark.parametrize("field, value", [
     ("segmentation", "random"), ("refinement", "spectral"), ("attention", "sliding"),
-    ("retrieval_backend", "annoy"), ("memory_positions", "sequential"),
+    ("memory_positions", "sequential"),
 ])
 def test_unknown_choice_names_field_and_choices(field, value):
     with pytest.raises(ConfigError) as info:
@@ -159,9 +160,45 @@ def test_positive_int_fields_reject_bad_values(field, value):
 
 def test_positive_int_fields_accept_one():
     config = EMConfig(n_local=1, n_mem=1, chunk_size=1, min_block_size=1, max_block_size=1, repr_topk=1,
-                      surprise_window=1, contiguity_neighbours=1, page_tokens=1,
-                      faiss_min_events=1, n_init=0)
+                      surprise_window=1, contiguity_neighbours=1, page_tokens=1, n_init=0,
+                      scorer=Representatives(faiss_min_events=1))
     assert config.max_position() == 0 + 1 + 2 * 1 + 1
+
+
+# ----------------------------------------------------------------------------- a scorer's own parameters
+@pytest.mark.parametrize("make, words", [
+    (lambda: Representatives(backend="annoy"), "backend must be one of ('auto', 'torch', 'faiss'), got 'annoy'"),
+    (lambda: Representatives(faiss_min_events=0), "faiss_min_events must be a positive integer, got 0"),
+    (lambda: Representatives(faiss_min_events=True), "faiss_min_events must be a positive integer, got True"),
+])
+def test_a_scorers_parameters_are_checked_where_they_live(make, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        make()
+
+
+@pytest.mark.parametrize("field, value", [*[("faiss_min_events", v) for v in (0, -1, 1.5, True, "8", None)],
+                                          *[("backend", v) for v in ("cuda", None)]])
+def test_every_bad_search_setting_is_refused_naming_it(field, value):
+    with pytest.raises(ValueError, match=f"Representatives' {field}"):
+        Representatives(**{field: value})
+
+
+@pytest.mark.parametrize("field, home", [("relevance_bias", "EventText(relevance_bias=...)"),
+                                         ("retrieval_backend", "Representatives(backend=...)"),
+                                         ("faiss_min_events", "Representatives(faiss_min_events=...)")])
+def test_a_field_that_became_a_scorer_parameter_names_its_new_home(field, home):
+    with pytest.raises(ConfigError, match=re.escape(f"{field} is now {home}")):
+        EMConfig.from_preset("E", **{field: 1})
+
+
+def test_parts_that_disagree_on_one_index_or_one_bias_are_refused():
+    with pytest.raises(ConfigError, match="search differently"):
+        EMConfig(scorer=ForQuestions(reading=Representatives(backend="torch"),
+                                     answering=Fused((EventText(), Representatives(backend="faiss")))))
+    with pytest.raises(ConfigError, match="different relevance_bias"):
+        EMConfig(scorer=Fused((EventText(relevance_bias=1.0), EventText(relevance_bias=2.0))))
+    searching = ForQuestions(reading=Representatives(backend="faiss"), answering=Representatives(backend="faiss"))
+    assert EMConfig(scorer=searching).scorer == searching
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, "128", None])

@@ -21,3 +21,13 @@ def test_every_field_has_one_line_of_doc():
         row = next(line for line in page.splitlines() if line.startswith(f"| `{field.name}` |"))
         assert not row.endswith("|  |"), f"EMConfig.{field.name} has no docstring"
         assert len(row.split(" | ")[-1]) <= 125, f"EMConfig.{field.name}'s doc is longer than one line"
+
+
+def test_every_field_is_in_exactly_one_section():
+    import dataclasses
+
+    from emllm.config import SECTIONS, EMConfig
+
+    listed = [name for names in SECTIONS.values() for name in names]
+    assert sorted(listed) == sorted(f.name for f in dataclasses.fields(EMConfig))  # each once, none missing
+    assert set(SECTIONS) == {"layout", "segmentation", "retrieval", "storage"}

@@ -10,7 +10,7 @@ import torch
 from emllm import EMConfig
 from emllm.persistence import load_memory, save_memory
 from emllm.scoring import (EventText, ForQuestions, Fused, Pooled, Representatives, RetrievalPlan, ScoringStep,
-                           scorer_from_spec, scorer_to_spec, standardise, uses_event_text)
+                           relevance_bias_of, scorer_from_spec, scorer_to_spec, standardise, uses_event_text)
 
 from .tiny import TINY, Fixed, Recording, tiny_engine, token_ids
 
@@ -152,26 +152,22 @@ def test_relevance_bias_weights_each_retrieved_event_by_its_text_cosine():
         assert bias.shape == (layer.memory_keys.shape[1],)
         sinks = bias.shape[0] - int(sizes.sum())
         assert sinks > 0 and not bias[:sinks].any()
-        want = torch.repeat_interleave(fork.config.relevance_bias * (scores[events] - scores[events].max()), sizes)
+        want = torch.repeat_interleave(fork.relevance_bias * (scores[events] - scores[events].max()), sizes)
         torch.testing.assert_close(bias[sinks:], want)
         assert float(bias[sinks:].max()) == 0.0 and float(bias.min()) < 0  # the best event unbiased, others below
-    fork.config = EMConfig.from_preset("E")
+    fork.relevance_bias = relevance_bias_of(EMConfig.from_preset("E").scorer)  # E: no bias
     assert relevance_bias(fork.layers[0], fork) is None
     fork.close()
     memory.close()
 
 
-@pytest.mark.parametrize("fields, words", [
-    (dict(relevance_bias=-1.0), "relevance_bias is a finite number >= 0"),
-    (dict(relevance_bias=float("inf")), "relevance_bias is a finite number >= 0"),
-    (dict(relevance_bias=True), "relevance_bias is a finite number >= 0"),
-])
-def test_relevance_bias_is_checked(fields, words):
+@pytest.mark.parametrize("value", [-1.0, float("inf"), True])
+def test_relevance_bias_is_checked(value):
     from emllm import ConfigError
 
-    with pytest.raises(ConfigError, match=words):
-        EMConfig.from_preset("ED", **fields)
-    with pytest.raises(ConfigError, match="use a preset with EventText"):
+    with pytest.raises(ValueError, match="relevance_bias is a finite number >= 0"):
+        EventText(relevance_bias=value)
+    with pytest.raises(ConfigError, match=r"relevance_bias is now EventText\(relevance_bias=\.\.\.\)"):
         EMConfig.from_preset("S", relevance_bias=2.0)
 
 

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from emllm import ConfigError, EMConfig, EMEngine, GenerationResult, StorageFullError
 from emllm.storage import PageStore
-from emllm.scoring import AttentionMass, ForQuestions, Pooled, Representatives
+from emllm.scoring import AttentionMass, ForQuestions, Pooled, Representatives, with_parameters
 
 from .tiny import TINY, VOCAB, tiny_engine, token_ids
 
@@ -75,10 +75,11 @@ def valid_configs(draw) -> dict:
         min_block_size=draw(st.integers(1, (max_block + 1) // 2)), max_block_size=max_block,
         repr_topk=draw(st.integers(1, 6)),
         contiguity=contiguity, contiguity_neighbours=draw(st.integers(1, 3)),
-        retrieval_backend=draw(st.sampled_from(["auto", "torch", "faiss"])),
-        scorer=draw(st.sampled_from([Representatives(), AttentionMass(), ForQuestions(), Pooled(ForQuestions())])),
+        scorer=with_parameters(
+            draw(st.sampled_from([Representatives(), AttentionMass(), ForQuestions(), Pooled(ForQuestions())])),
+            Representatives, backend=draw(st.sampled_from(["auto", "torch", "faiss"])),
+            faiss_min_events=draw(st.sampled_from([1, 20_000]))),
         memory_positions=draw(st.sampled_from(["fixed", "ordered"])),
-        faiss_min_events=draw(st.sampled_from([1, 20_000])),
         attention=draw(st.sampled_from(["episodic"] * 5 + ["full"])), page_tokens=draw(st.integers(1, 32)),
         ram_budget_mb=draw(st.sampled_from([None, 0, 0.01])))
 
@@ -133,12 +134,11 @@ BAD_VALUES = {
     # field: values it must refuse
     **{name: [0, -1, 1.5, True, "8", None] for name in (
         "n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk", "surprise_window",
-        "contiguity_neighbours", "page_tokens", "faiss_min_events")},
+        "contiguity_neighbours", "page_tokens")},
     "n_init": [-1, 2.5, False, "4", None],
     "segmentation": ["Surprise", "", None, 1],
     "refinement": ["modular", None, 0],
     "attention": ["sparse", None],
-    "retrieval_backend": ["cuda", None],
     "scorer": ["attention", None, 3],
     "contiguity": [1.0, -0.1, math.nan, math.inf, "0.3", True],
     "gamma": [math.nan, math.inf, -math.inf, "1", None, True],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from emllm import EMConfig, scoring as scoring_module
-from emllm.scoring import AttentionMass, ForQuestions, Pooled, Representatives, uses_stored_keys
+from emllm.scoring import AttentionMass, EventText, ForQuestions, Pooled, Representatives, uses_stored_keys
 from emllm.persistence import ADDED_FIELDS, MANIFEST, load_memory, manifest_checksum, save_memory
 from emllm.retrieval import fill_budget
 
@@ -112,6 +112,27 @@ def test_a_memory_saved_with_the_retrieval_names_loads_with_the_scorer_they_name
     (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
     loaded = load_memory(tmp_path / "old", engine)
     assert loaded.config.scorer == scorer
+    loaded.close()
+
+
+def test_a_memory_saved_with_the_scorer_settings_in_the_config_loads_with_them_on_the_scorer(tmp_path):
+    """Saves from before retrieval_backend, faiss_min_events and relevance_bias became scorer parameters hold them as
+    config fields, and a scorer description without them."""
+    engine = tiny_engine("S", scorer=ForQuestions(answering=EventText()))
+    memory = engine.new_memory()
+    engine.read(memory, token_ids(200, seed=3))
+    save_memory(memory, tmp_path / "old", engine=engine)
+    memory.close()
+    manifest = json.loads((tmp_path / "old" / MANIFEST).read_text())
+    spec = manifest["config"]["scorer"]
+    del spec["reading"]["backend"], spec["reading"]["faiss_min_events"], spec["answering"]["relevance_bias"]
+    manifest["config"].update(retrieval_backend="torch", faiss_min_events=5, relevance_bias=1.5)
+    manifest["checksum"] = manifest_checksum(manifest)
+    (tmp_path / "old" / MANIFEST).write_text(json.dumps(manifest))
+    loaded = load_memory(tmp_path / "old", engine)
+    assert loaded.config.scorer == ForQuestions(reading=Representatives(backend="torch", faiss_min_events=5),
+                                                answering=EventText(relevance_bias=1.5))
+    assert loaded.relevance_bias == 1.5 and loaded.layers[0].index.backend == "torch"
     loaded.close()
 
 
