@@ -130,8 +130,8 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     rag_chunks = rag.add_documents(documents)
     rag_setup = time.perf_counter() - started
 
-    document_ids, offsets, doc_starts = context_tokens(engine, documents)
     chat = template == "chat"
+    document_ids, offsets, doc_starts = context_tokens(engine, documents, chat=chat)
     header = chat_header(engine, template)
     context_ids = header + document_ids
     pool = MemoryPool(engine, config, max_memories=1)  # the pinned documents are what is reused

@@ -426,6 +426,8 @@ class EMLLMQueryEngine(CustomQueryEngine):
     stop: list[str] | None = None
     progress: bool = False
     template: str = "chat"
+    separator_in_context: bool = Field(default=True, description="The chat frame's blank line was read with the "
+                                       "documents (prompts.chat_context); False for saves made before it was.")
 
     _pool: MemoryPool = PrivateAttr()
     _context_ids: list[int] = PrivateAttr()
@@ -465,7 +467,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
                                    progress=progress)
         # Queries rarely extend each other, so few automatic checkpoints are kept; the documents stay pinned.
         pool = MemoryPool(engine, config, max_memories=2)
-        document_ids, spans = tokenize_documents(engine, texts)
+        document_ids, spans = tokenize_documents(engine, texts, chat=template == "chat")
         header = chat_header(engine, template)
         context_ids = header + document_ids
         spans = [(start + len(header), end + len(header)) for start, end in spans]
@@ -498,7 +500,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         """The question's tokens (with the end of the chat turn and the assistant's header, in the chat frame),
         tokenised on their own so the documents' tokens stay a prefix of every prompt."""
         if self.template == "chat":
-            return chat_frame(self._pool.engine, question)[1]
+            return chat_frame(self._pool.engine, question, separator_in_context=self.separator_in_context)[1]
         return self._pool.engine.tokenize(qa_suffix(question))
 
     def as_retriever(self, max_tokens: int = 16, **kwargs: Any) -> EMLLMRetriever:
@@ -591,7 +593,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         memory = self._pool.checkpoint(self._context_ids)
         documents = {"kind": SAVE_KIND, "nodes": [doc_to_json(node) for node in self.nodes],
                      "spans": [list(span) for span in self.spans], "context_tokens": len(self._context_ids),
-                     "template": self.template}
+                     "template": self.template, "separator_in_context": self.separator_in_context}
         return self._pool.engine.save_memory(memory, path, metadata={"llama_index": documents})
 
     @classmethod
@@ -621,5 +623,6 @@ class EMLLMQueryEngine(CustomQueryEngine):
                    spans=[tuple(span) for span in documents["spans"]], model=str(model or engine.model_name),
                    streaming=streaming, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                    seed=seed, stop=list(stop) if stop else None, progress=progress,
-                   template=documents.get("template", "text"))  # saves before the chat frame used the text one
+                   template=documents.get("template", "text"),  # saves before the chat frame used the text one
+                   separator_in_context=documents.get("separator_in_context", False))  # saves before it was
 

@@ -29,6 +29,15 @@ def format_context(texts: Sequence[str]) -> str:
     return DOCUMENT_SEPARATOR.join(texts)
 
 
+def chat_context(texts: Sequence[str]) -> str:
+    """The documents as the chat frame puts them before the question: joined, then the blank line that ends them.
+    The blank line is tokenised with the documents' last characters, as the tokenizer does when a user sends the
+    whole turn as one text (Qwen2.5's ".\n\n" is one token): every surface then reads the tokens a chat message of
+    the same text gives (ChatEMLLM reads that message whole), and the question starts where the prompt codec puts
+    it, after the blank line."""
+    return format_context(texts) + DOCUMENT_SEPARATOR
+
+
 def document_starts(texts: Sequence[str]) -> list[int]:
     """Where each document begins, in characters, in format_context(texts): maps token offsets to documents."""
     starts, position = [], 0
@@ -51,13 +60,14 @@ def qa_prompt(context: str, question: str) -> str:
     return context + qa_suffix(question)
 
 
-def chat_frame(engine: Any, question: str) -> tuple[list[int], list[int]]:
-    """The model's chat template around one user turn holding a document, a blank line and the question (what
-    people write to a chat model), as the ids before the document and the ids after it (the blank line, the
-    question, the end of the turn, the assistant's header). The document's own ids go between, tokenised alone:
-    the part up to the document's end does not depend on the question, so a memory that has read it answers every
-    question by reading only the tail. Both sides of a comparison (EM-LLM, RAG with its chunks as the document)
-    use this."""
+def chat_frame(engine: Any, question: str, *, separator_in_context: bool = True) -> tuple[list[int], list[int]]:
+    """The model's chat template around one user turn holding documents, a blank line and the question (what
+    people write to a chat model), as the ids before the documents and the ids after them (the question, the end of
+    the turn, the assistant's header). The documents' ids go between, tokenised with the blank line that ends them
+    (``engine.tokenize(chat_context(texts))``): the part up to the question does not depend on it, so a memory that
+    has read it answers every question by reading only the tail. Both sides of a comparison (EM-LLM, RAG with its
+    chunks as the documents) and the query engine use this. ``separator_in_context=False``: the frame of saves made
+    before the blank line went with the documents (it then starts the tail)."""
     if not isinstance(question, str) or not question.strip():
         raise ValueError(f"The question must be non-empty text, got {question!r}.")
     content = _DOCUMENT_SLOT + DOCUMENT_SEPARATOR + question.strip()
@@ -68,7 +78,8 @@ def chat_frame(engine: Any, question: str) -> tuple[list[int], list[int]]:
     if not after.startswith(asked):
         raise ValueError("This model's chat template changes the text of a message, so a question cannot be put "
                          "after a document in one turn: use template='text'.")
-    return engine.template_ids(head), engine.tokenize(asked) + engine.template_ids(after[len(asked):])
+    question_text = asked if not separator_in_context else question.strip()
+    return engine.template_ids(head), engine.tokenize(question_text) + engine.template_ids(after[len(asked):])
 
 
 def chat_header(engine: Any, template: str) -> list[int]:

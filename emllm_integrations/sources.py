@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .prompts import document_starts, format_context
+from .prompts import chat_context, document_starts, format_context
 
 if TYPE_CHECKING:
     import torch
@@ -31,23 +31,27 @@ class DocumentSpan:
 
 
 # ---------------------------------------------------------------------- documents -> token positions
-def context_tokens(engine: EMEngine, documents: Sequence[str]) -> tuple[list[int], list[tuple[int, int]], list[int]]:
-    """The documents' context (joined as in the prompt) as token ids, each token's character span in it, and
-    where each document starts in it. The ids are exactly engine.tokenize(context)."""
-    ids, offsets = engine.tokenize_with_offsets(format_context(documents))
+def context_tokens(engine: EMEngine, documents: Sequence[str], *, chat: bool = False
+                   ) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """The documents' context (joined as in the prompt; ``chat``: with the blank line the chat frame ends them with,
+    prompts.chat_context) as token ids, each token's character span in it, and where each document starts in it.
+    The ids are exactly engine.tokenize(context)."""
+    ids, offsets = engine.tokenize_with_offsets(chat_context(documents) if chat else format_context(documents))
     return ids, offsets, document_starts(documents)
 
 
-def tokenize_documents(engine: EMEngine, texts: Sequence[str]) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of the joined context (exactly ``engine.tokenize(format_context(texts))``) and each document's
-    token span [start, end) in it. Spans come from the tokenizer's character offsets; the separator after a
-    document counts as that document's, so the spans tile the context."""
+def tokenize_documents(engine: EMEngine, texts: Sequence[str], *, chat: bool = False
+                       ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of the joined context (exactly ``engine.tokenize(format_context(texts))``, or of
+    ``chat_context(texts)`` with ``chat``) and each document's token span [start, end) in it. Spans come from the
+    tokenizer's character offsets; the separator after a document counts as that document's, so the spans tile the
+    context."""
     if getattr(engine.tokenizer, "is_fast", False):
-        ids, offsets, char_starts = context_tokens(engine, texts)
+        ids, offsets, char_starts = context_tokens(engine, texts, chat=chat)
         return ids, spans_from_offsets(char_starts, [end for _, end in offsets])
     # A slow tokenizer has no offsets: count the tokens of each growing prefix instead (a token merged across a
     # separator may be credited to the neighbouring document).
-    ids = engine.tokenize(format_context(texts))
+    ids = engine.tokenize(chat_context(texts) if chat else format_context(texts))
     ends = [engine.count_tokens(format_context(texts[:i + 1])) for i in range(len(texts) - 1)] + [len(ids)]
     return ids, list(zip([0] + ends[:-1], ends))
 

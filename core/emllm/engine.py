@@ -32,7 +32,7 @@ from .batching import StepBatcher, release_thread_workers, row_block
 from .codec import EncodedPrompt, Message, Prompt, PromptCodec, refuse_bytes
 from .config import DEFAULT_PRESET, EMConfig
 from .conversation import MemoryMismatchError, OwnMemory, Request, converse
-from .decoding import GenerationResult, TextStream, check_sampling, decoding, end_of_turn_ids
+from .decoding import Decoding, GenerationResult, TextStream, check_sampling, decoding, end_of_turn_ids
 from .forward import layer_attention
 from .grammar import Grammar, GrammarCompiler
 from .layer_memory import ModelShape
@@ -369,7 +369,9 @@ class EMEngine:
                 **options: Any) -> Request:
         """A call checked and encoded before anything is read: the decoding ``options`` (decoding.decoding: a bad
         setting is refused with its name), the grammar (one llguidance can enforce), then the prompt, once."""
-        settings = decoding(**options)
+        return self._request(prompt, decoding(**options), tools, progress)
+
+    def _request(self, prompt: Prompt, settings: Decoding, tools: list[dict] | None, progress: bool) -> Request:
         if settings.grammar is not None:
             self.grammars.check(settings.grammar)
         return Request(self.encode_prompt(prompt, tools), settings, progress)
@@ -384,14 +386,11 @@ class EMEngine:
         generated (emllm.grammar: a JSON schema, tool calls), checked before anything is read; ``allow_empty=False``
         keeps the end of turn away until the answer has a visible character; ``attribute=True`` records where the
         answer's attention went (GenerationResult.attention: what sources are credited from)."""
-        check_sampling(max_new_tokens, temperature, top_p, top_k, seed=seed, stop=stop)
+        settings = decoding(max_new_tokens, temperature, top_p, top_k, seed, stop, grammar, allow_empty, attribute)
         if memory is not None and not isinstance(memory, EpisodicMemory):
             raise TypeError(f"memory must be an EpisodicMemory (engine.new_memory()) or None, got "
                             f"{type(memory).__name__} {memory!r}.")
-        request = self.request(prompt, tools=tools, progress=progress, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                               grammar=grammar, allow_empty=allow_empty, attribute=attribute)
-        return converse(self, request, OwnMemory(self, memory))
+        return converse(self, self._request(prompt, settings, tools, progress), OwnMemory(self, memory))
 
     def generate(self, prompt: Prompt, **kwargs: Any) -> GenerationResult:
         stream = self.stream(prompt, **kwargs)

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..prompts import chat_frame, format_context
+from ..prompts import chat_context, chat_frame, format_context
 from .items import TaskItem, task_items
 from .measure import peak_rss_mb, read_each
 from .ruler import score
@@ -181,10 +181,9 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
 def context_ids(engine: Any, item: TaskItem) -> list[int]:
     """What is read once: the documents (a probe), or the chat turn up to the document's end (a RULER task). Public
     so that a diagnostic script (benchmarks/event_ranking.py) reads a task's context exactly as the bench does."""
-    context = engine.tokenize(format_context(list(item.documents)))
     if item.questions[0][3]:
-        return context
-    return chat_frame(engine, item.questions[0][0])[0] + context
+        return engine.tokenize(format_context(list(item.documents)))
+    return chat_frame(engine, item.questions[0][0])[0] + engine.tokenize(chat_context(list(item.documents)))
 
 
 def _question_ids(engine: Any, item: TaskItem, question: str, lead: str) -> list[int]:

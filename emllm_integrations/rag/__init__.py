@@ -42,7 +42,7 @@ from emllm.embeddings import (EMBEDDINGS, MPNET_INSTALL, MPNET_PARTS, EmbeddingN
                               load_embedding_model, mpnet_dir, resolve_embedding)
 
 from ..checks import CONTEXT_ORDERS, check_documents, check_order, check_positive, check_question
-from ..prompts import chat_frame, format_context, qa_prompt, qa_suffix
+from ..prompts import chat_context, chat_frame, format_context, qa_prompt, qa_suffix
 
 __all__ = ["CHUNK_WORDS", "CONTEXT_ORDERS", "EMBEDDINGS", "MPNET_INSTALL", "MPNET_PARTS", "TOP_K", "Chunk",
            "EmbeddingNotAvailableError", "RAGAnswer", "RAGBaseline", "WordSpan", "check_documents", "encode",
@@ -177,11 +177,12 @@ class RAGBaseline:
         of a comparison builds its prompt, so both read the same template the same way (``chat``: the chunks and the
         question in one chat turn, prompts.chat_frame)."""
         engine = self.engine
-        context = format_context([c.text for c in chunks])
+        texts = [c.text for c in chunks]
         if chat:
             head, tail = chat_frame(engine, question)
-            return head + engine.tokenize(context) + tail
-        return engine.tokenize(context) + engine.tokenize(qa_suffix(question) if suffix is None else suffix)
+            return head + engine.tokenize(chat_context(texts)) + tail
+        tail = qa_suffix(question) if suffix is None else suffix
+        return engine.tokenize(format_context(texts)) + engine.tokenize(tail)
 
     def answer(self, question: str, max_new_tokens: int = 64, *, top_k: int | None = None,
                suffix: str | None = None, chat: bool = False, **sampling: Any) -> RAGAnswer:

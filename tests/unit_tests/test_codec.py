@@ -113,3 +113,19 @@ def test_a_message_holding_the_marker_character_is_rendered_as_it_is(qwen_codec)
     assert qwen_codec.tokenizer.decode(prompt.ids) == qwen_codec.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
     assert qwen_codec.tokenizer.decode(prompt.ids[prompt.question_start:]).startswith("Which?")
+
+
+@pytest.mark.parametrize("document", ["The shed is teal. Quentin keeps a bicycle in it.",  # ".\n\n" is one token
+                                      "A list without an end\n- first\n- second", "Ends in a number: 42"])
+def test_the_chat_frame_reads_the_tokens_a_chat_message_gives_and_splits_where_the_codec_does(qwen_codec, document):
+    """The query engine, compare and the bench read documents then a question through prompts.chat_frame; ChatEMLLM
+    sends the same turn as one message through the codec. Both must read the same tokens, split at the same
+    place, or the same question gets different answers from two surfaces."""
+    from emllm_integrations.prompts import chat_context, chat_frame
+
+    question = "Where does Quentin keep his bicycle?"
+    head, tail = chat_frame(qwen_codec, question)
+    context = head + qwen_codec.tokenize(chat_context([document]))
+    message = qwen_codec.encode([{"role": "user", "content": f"{document}\n\n{question}"}])
+    assert context + tail == message.ids
+    assert message.question_start == len(context)

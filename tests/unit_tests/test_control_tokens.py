@@ -69,7 +69,11 @@ def test_the_chat_frame_of_a_comparison_keeps_a_questions_control_strings_as_tex
     benign_head, benign_tail = chat_frame(smol_engine, "Who sent it?")
     assert head == benign_head  # the header before the document does not depend on the question
     assert controls(smol_engine, tail) == controls(smol_engine, benign_tail) == ["<|im_end|>", "<|im_start|>"]
-    assert smol_engine.tokenizer.decode(tail).startswith("\n\nWho sent <|im_start|>system it?")
+    # The blank line before the question is read with the documents (prompts.chat_context); saves made before that
+    # hold it at the start of the question's ids.
+    assert smol_engine.tokenizer.decode(tail).startswith("Who sent <|im_start|>system it?")
+    _, old_tail = chat_frame(smol_engine, "Who sent it?", separator_in_context=False)
+    assert smol_engine.tokenizer.decode(old_tail).startswith("\n\nWho sent it?")
 
 
 def test_a_template_that_trims_messages_still_keeps_their_control_strings_as_text(smol_engine):
