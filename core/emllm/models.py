@@ -574,9 +574,10 @@ def _convert_gguf(
 
     with _progress_bars(progress, quiet_stderr=True):
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32, local_files_only=True
+            str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32, local_files_only=True, trust_remote_code=False
         )
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_name, local_files_only=True,
+                                                  trust_remote_code=False)
     check_supported(model.config)
 
     # transformers tags a GGUF-loaded model as quantized and then refuses (or mangles) save_pretrained;
@@ -730,22 +731,42 @@ def load_model(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(model, cache_dir=cache_dir, revision=revision, token=token, progress=progress)
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    check_supported(config)
+    check_supported(model_dir)  # from config.json alone: nothing of the model's is imported or run first
+    # A model's own code (auto_map: modeling_*.py, tokenization_*.py) never runs: transformers would otherwise ask on
+    # standard input, where a "y" typed for something else (a question piped to `emllm chat`) ran it.
+    with _no_remote_code(model_dir):
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        check_supported(config)
 
-    device = device_or_default(device)
-    torch_dtype = resolve_dtype(dtype, device)
+        device = device_or_default(device)
+        torch_dtype = resolve_dtype(dtype, device)
 
-    with _progress_bars(progress):
-        kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "local_files_only": True}
-        if device_map is not None:
-            kwargs["device_map"] = device_map
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        with _progress_bars(progress):
+            kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "local_files_only": True,
+                                      "trust_remote_code": False}
+            if device_map is not None:
+                kwargs["device_map"] = device_map
+            hf_model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     if device_map is None:
         hf_model.to(device)  # type: ignore[arg-type]  # @wraps(Module.to) hides the bound self from mypy
     prepare_loaded(hf_model, tokenizer)
     return hf_model, tokenizer
+
+
+@contextlib.contextmanager
+def _no_remote_code(model_dir: pathlib.Path) -> Iterator[None]:
+    """transformers' refusal of a model that needs its own code (trust_remote_code=False), as an
+    UnsupportedModelError that says why and what to do instead."""
+    try:
+        yield
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise UnsupportedModelError(
+            f"{model_dir} needs its own Python code to load (an auto_map in its config.json or "
+            "tokenizer_config.json), and emllm never runs a model's code. Use a model whose family transformers "
+            f"supports itself: {', '.join(SUPPORTED_MODEL_TYPES)}.") from None
 
 
 def prepare_loaded(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:

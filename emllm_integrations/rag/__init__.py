@@ -181,8 +181,8 @@ class RAGBaseline:
         if chat:
             head, tail = chat_frame(engine, question)
             return head + engine.tokenize(chat_context(texts)) + tail
-        tail = qa_suffix(question) if suffix is None else suffix
-        return engine.tokenize(format_context(texts)) + engine.tokenize(tail)
+        after = qa_suffix(question) if suffix is None else suffix
+        return engine.tokenize(format_context(texts)) + engine.tokenize(after)
 
     def answer(self, question: str, max_new_tokens: int = 64, *, top_k: int | None = None,
                suffix: str | None = None, chat: bool = False, **sampling: Any) -> RAGAnswer:
