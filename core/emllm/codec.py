@@ -85,11 +85,26 @@ class PromptCodec:
         self.tokenizer = tokenizer
         self.renders = 0  # calls of the chat template, probes included (a test holds a call to one render)
         self._lossless = LosslessCheck(tokenizer)
-        strings = sorted(control_strings(tokenizer), key=len, reverse=True)  # the longest match wins, as in tokenizers
-        self._controls = re.compile("|".join(map(re.escape, strings)) or "(?!)")
-        self._template: str | None = None          # the template the two probes below were made with
+        self._template: Any = object()             # the chat template what follows was made for (none yet)
+        self._controls = re.compile("(?!)")        # finds control strings in a message
+        self._unsplit: re.Pattern | None = None    # finds those the tokenizer matches even in text
         self._trims: bool | None = None            # whether the template strips message text (probed once)
         self._headers: dict[str, str | None] = {}  # a turn's text before its content, per role (probed once each)
+        self._sync()
+
+    def _sync(self) -> None:
+        """Made again whenever the tokenizer's chat template is not the one they were made for (one set after
+        loading): the control strings (the template's added tokens among them) and the two probes."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is self._template:
+            return
+        self._template, self._trims, self._headers = template, None, {}
+        strings = sorted(control_strings(self.tokenizer), key=len, reverse=True)  # the longest match wins
+        self._controls = re.compile("|".join(map(re.escape, strings)) or "(?!)")
+        # Control strings the tokenizer matches even with split_special_tokens (its non-special added tokens, such as
+        # Qwen's <tool_call>): in user text each occurrence is cut before its last character and tokenised in pieces.
+        unsplit = sorted(set(strings) - set(special_strings(self.tokenizer)), key=len, reverse=True)
+        self._unsplit = re.compile("|".join(map(re.escape, unsplit))) if unsplit else None
 
     # ------------------------------------------------------------------ text
     def tokenize(self, text: str) -> list[int]:
@@ -98,16 +113,34 @@ class PromptCodec:
 
     def text_ids(self, text: str) -> list[int]:
         """The text's token ids, control-token strings kept as text, without tokenize()'s checks (for counting)."""
-        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return [i for piece in self._text_pieces(text) for i in self._piece_ids(piece)]
 
     def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """tokenize() plus each token's character span in the text (needs a fast tokenizer), for mapping
         retrieved tokens back to the documents they came from."""
         check_text(text)
-        encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True,
-                                 return_offsets_mapping=True)
-        ids = self.refuse_lost_text(text, list(encoded["input_ids"]))
-        return ids, [(int(start), int(end)) for start, end in encoded["offset_mapping"]]
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        start = 0
+        for piece in self._text_pieces(text):
+            encoded = self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True,
+                                     return_offsets_mapping=True)
+            ids.extend(encoded["input_ids"])
+            offsets.extend((start + int(lo), start + int(hi)) for lo, hi in encoded["offset_mapping"])
+            start += len(piece)
+        return self.refuse_lost_text(text, ids), offsets
+
+    def _text_pieces(self, text: str) -> list[str]:
+        """The text, cut inside every control string the tokenizer would match even as text (before its last
+        character), so no piece holds one; the whole text where it has none (the usual case: one piece)."""
+        self._sync()
+        if self._unsplit is None:
+            return [text]
+        cuts = [match.end() - 1 for match in self._unsplit.finditer(text)]
+        return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        return list(self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
     def template_ids(self, text: str) -> list[int]:
         """Ids of text a chat template wrote (its control-token strings become control tokens); never user text."""
@@ -136,11 +169,9 @@ class PromptCodec:
         uses_tools = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
         if uses_tools and not template_carries_tools(self.tokenizer):
             messages, tools = plain_tool_messages(messages, tools), None
-        template = getattr(self.tokenizer, "chat_template", None)
-        if template is None:
+        self._sync()
+        if self._template is None:
             return plain_render(messages, add_generation_prompt)  # "role: content" lines, no control tokens at all
-        if template != self._template:  # a template set after loading: what was probed is of another one
-            self._template, self._trims, self._headers = template, None, {}
         # Render the turns as given (so a longer conversation extends a shorter one token for token); only a
         # template that rejects them (consecutive same-role turns, a system turn) gets them merged.
         try:
@@ -316,7 +347,18 @@ class PromptCodec:
 
 # ---------------------------------------------------------------------- helpers
 def control_strings(tokenizer: Any) -> list[str]:
-    """The strings the tokenizer turns into control tokens (its special added tokens)."""
+    """The strings the tokenizer turns into control tokens: its special added tokens, and the other added tokens the
+    chat template writes (tool-call tags, think tags): a document quoting them must not produce them."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    template = getattr(tokenizer, "chat_template", None)
+    written = template if isinstance(template, str) else " ".join(map(str, (template or {}).values())) \
+        if isinstance(template, dict) else ""
+    return [token.content for token in added.values()
+            if getattr(token, "special", False) or (token.content and token.content in written)]
+
+
+def special_strings(tokenizer: Any) -> list[str]:
+    """The special added tokens' strings: what split_special_tokens keeps as text by itself."""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     return [token.content for token in added.values() if getattr(token, "special", False)]
 
