@@ -386,7 +386,8 @@ class EMEngine:
         generated (emllm.grammar: a JSON schema, tool calls), checked before anything is read; ``allow_empty=False``
         keeps the end of turn away until the answer has a visible character; ``attribute=True`` records where the
         answer's attention went (GenerationResult.attention: what sources are credited from)."""
-        settings = decoding(max_new_tokens, temperature, top_p, top_k, seed, stop, grammar, allow_empty, attribute)
+        settings = decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            stop=stop, grammar=grammar, allow_empty=allow_empty, attribute=attribute)
         if memory is not None and not isinstance(memory, EpisodicMemory):
             raise TypeError(f"memory must be an EpisodicMemory (engine.new_memory()) or None, got "
                             f"{type(memory).__name__} {memory!r}.")

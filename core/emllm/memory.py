@@ -105,7 +105,7 @@ class EpisodicMemory:
         """The plan of this memory's next forward, with the facts every retrieving layer reads (the pinned events, the
         question's text scores) computed once for the forward, or taken from the last forward while no event was
         evicted, no pin changed and no question was asked since."""
-        return RetrievalPlan(retrieve=retrieve, answering=answering, pinned=tuple(self.pinned_events()),
+        return RetrievalPlan(retrieve=retrieve, answering=answering, pinned=self._pinned_events(),
                              text_scores=self.text_scores() if answering and retrieve else None)
 
     def begin_answer(self) -> None:
@@ -349,13 +349,16 @@ class EpisodicMemory:
         self.pinned_spans = ()
 
     def pinned_events(self) -> list[int]:
-        """Stored events overlapping a pinned span, in input order (pinned tokens still local need no event);
-        computed once per eviction or change of pins."""
+        """Stored events overlapping a pinned span, in input order (pinned tokens still local need no event)."""
+        return list(self._pinned_events())
+
+    def _pinned_events(self) -> tuple[int, ...]:
+        """pinned_events(), computed once per eviction or change of pins; the tuple every forward's plan shares."""
         key = (self.num_events, self.pinned_spans)
         if self._pinned[0] != key:
             events = sorted({e for span in self.pinned_spans for e in self.events_overlapping(*span)})
             self._pinned = (key, tuple(events))
-        return list(self._pinned[1])
+        return self._pinned[1]
 
     def layers_holding(self, start: int, end: int) -> int:
         """How many layers hold, in their last retrieval, an event overlapping absolute tokens [start, end). A fact
