@@ -15,7 +15,10 @@ Rankings: "dense" (preset E's EventText: the question's MiniLM embedding against
 event embedded together with its two neighbours' text: 3x the embedding work), "neighbourhood" (the normalised sum
 of an event's and its neighbours' embeddings: no extra work), "smoothed" (an event's cosine plus its neighbours'),
 "bm25" (bm25s over the events' words, English stop words removed; bm25s is in the dev extra), "fused" (dense and
-bm25 standardised and summed, as scoring.Fused does), "fused_contextual" and "neighbourhood_fused" likewise."""
+bm25 standardised and summed, as scoring.Fused does), "fused_contextual" and "neighbourhood_fused" likewise, and
+"hop" (the question embedded again with each of its 3 best events' text; an event keeps its best score: a second
+look that can follow a bridge). Families that record a question's evidence sentences (the multi-hop chains, fact
+QA, chronicle) count those events, every fact of a chain; the others count the events holding the answers."""
 
 from __future__ import annotations
 
@@ -100,6 +103,32 @@ def selected(scores: torch.Tensor, sizes: torch.Tensor, config) -> set[int]:
     return set(similar) | set(buffer.update(similar, sizes, len(sizes)))
 
 
+HOP_EVENTS = 3
+
+
+def hop_scores(memory, dense: torch.Tensor, question_ids: list[int], starts: list[int], ends: list[int],
+               hops: int) -> torch.Tensor:
+    """A second look: the question embedded together with each of the ``hops`` best events' text, each such query
+    scoring every event; an event keeps the best of its scores. The best event of a two-hop question names the
+    bridge (the person at the place), and the question with that event's text then finds the person's own fact."""
+    top = torch.topk(dense, min(hops, len(dense))).indices.tolist()
+    queries = memory.texts.embedder([memory.token_ids[starts[e]:ends[e]] + question_ids for e in top])
+    return torch.maximum(dense, (memory.texts.embeddings @ queries.T).max(dim=1).values)
+
+
+def _evidence(task: str, length: int, settings: BenchSettings, engine) -> list[tuple[str, ...]]:
+    """Per question, the sentences it needs (a multi-hop chain's every fact), for families that record them; empty
+    tuples (count the answers' events) for the others."""
+    from emllm_integrations.bench.items import document_seed
+    from emllm_integrations.bench.ruler import FAMILIES, family_document
+
+    if task not in FAMILIES:
+        return [()] * len(settings.depths)
+    doc = family_document(task, length, engine.count_tokens, questions=settings.questions,
+                          seed=document_seed(settings.seed, task, length, -1.0))
+    return [q.evidence for q in doc.questions]
+
+
 def run(tasks: list[str], length: int, out: Path) -> list[dict]:
     engine = EMEngine.from_pretrained(preset="E", progress=False)
     config = engine.config
@@ -122,8 +151,10 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
         neighbourhood = torch.nn.functional.normalize(with_neighbours(memory.texts.embeddings), dim=-1)
         text, offsets = token_offsets(engine.tokenizer, memory.token_ids)
         lexicon = bm25_index(texts)
-        for question, expected, depth, _ in tqdm(item.questions, desc=task):
-            answers = (expected,) if isinstance(expected, str) else tuple(expected)
+        evidence = _evidence(task, length, settings, engine)
+        for (question, expected, depth, _), needed in tqdm(zip(item.questions, evidence), desc=task,
+                                                          total=len(item.questions)):
+            answers = needed or ((expected,) if isinstance(expected, str) else tuple(expected))
             per_answer = [sorted({int(owner[t]) for t in tokens if t < len(owner)})
                           for tokens in evidence_tokens(text, offsets, answers)]
             missing = [a for a, tokens in zip(answers, per_answer) if not tokens]
@@ -132,7 +163,8 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
             q_embedding = memory.texts.embedder([question_ids])[0]
             dense = memory.texts.embeddings @ q_embedding
             lexical = bm25_scores(lexicon, question)
-            rankings = {"dense": dense, "bm25": lexical, "fused": standardise(dense) + standardise(lexical),
+            rankings = {"dense": dense, "hop": hop_scores(memory, dense, question_ids, starts, ends, HOP_EVENTS),
+                        "bm25": lexical, "fused": standardise(dense) + standardise(lexical),
                         "fused_contextual": standardise(wide_embeddings @ q_embedding) + standardise(lexical),
                         "contextual": wide_embeddings @ q_embedding,
                         "neighbourhood": neighbourhood @ q_embedding,
@@ -146,12 +178,13 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
                 row[name] = sum(found) / len(found)
             rows.append(row)
         memory.close()
-    names = ["dense", "contextual", "neighbourhood", "smoothed", "bm25", "fused", "fused_contextual", "neighbourhood_fused"]
+    names = ["dense", "hop", "contextual", "neighbourhood", "smoothed", "bm25", "fused", "fused_contextual",
+             "neighbourhood_fused"]
     table = []
     for task in tasks:
         group = [r for r in rows if r["task"] == task]
-        table.append([task, len(group)] + [f"{sum(r[n] == 1 for r in group)} ({sum(r[n] for r in group) / len(group):.2f})"
-                                            for n in names])
+        table.append([task, len(group)] + [f"{sum(r[n] == 1 for r in group)} "
+                                            f"({sum(r[n] for r in group) / len(group):.2f})" for n in names])
     md = markdown_table(["task", "questions", *names], "lr" + "r" * len(names), table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "event_ranking.json").write_text(json.dumps(rows, indent=1))

@@ -20,8 +20,9 @@ from emllm_integrations.bench.settings import RULER_TASKS
 from emllm_integrations.bench.suite import bootstrap_interval, load_cells
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
+METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
 STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
+         "rag-tuned": ("C1", "P", 2.0),
          "S": ("C2", "^", 1.2), "SM": ("C4", "x", 0.8), "S+C": ("C5", "x", 0.8), "SM+C": ("C8", "x", 0.8),
          "F": ("C7", "v", 1.2), "full": ("k", "*", 1.2)}
 """The default and RAG stand out; the paper's other presets are thin."""

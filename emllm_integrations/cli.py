@@ -17,8 +17,8 @@ from emllm.scoring import POOLINGS, SCORINGS
 
 from .bench import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS, RULER_TASKS,
                     TASKS, BenchRequirementError,
-                    BenchSettings, config_overrides, load_done, markdown, peak_rss_mb, run_bench, settings_record,
-                    summary, write_report)
+                    BenchSettings, check_out_dir, config_overrides, load_done, markdown, peak_rss_mb, run_bench,
+                    settings_record, summary, write_report)
 
 ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "retrieval_pooling",
                     "memory_positions")
@@ -144,16 +144,8 @@ def bench(args: argparse.Namespace) -> int:
                                            seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                                            questions=args.questions))
     try:
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out} is a file, not a folder: give a folder (new or holding a bench.json "
-                             "with --resume).")
-        if args.resume:
-            done = load_done(args.out, record)
-        elif os.path.exists(os.path.join(args.out, "bench.json")):
-            raise ValueError(f"{args.out} already holds a bench.json: pass --resume to add this run's cells to it "
-                             "(cells already measured are skipped), or give another --out.")
-        else:
-            done = []
+        check_out_dir(args.out, args.resume)
+        done = load_done(args.out, record) if args.resume else []
         rows = run_bench(args.tasks, args.methods, args.lengths, args.depths, model=args.model, dtype=args.dtype,
                          seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                          full_max_tokens=args.full_max_tokens, isolate=not args.in_process, threads=args.threads,
@@ -241,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--questions", type=int, default=DEFAULT_QUESTIONS,
                          help="questions per RULER document, each asked from a fork of one read (default 20)")
     p_bench.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                         help="EM-LLM presets (S SM S+C SM+C F ...), full, rag-minilm, rag-mpnet")
+                         help="EM-LLM presets (S SM S+C SM+C F ...), full, rag-minilm, rag-mpnet, rag-tuned")
     p_bench.add_argument("--lengths", nargs="+", type=parse_length, default=list(DEFAULT_LENGTHS),
                          help="input lengths in tokens (default 4K 8K 16K 32K 64K 128K)")
     p_bench.add_argument("--depths", nargs="+", type=float, default=list(DEFAULT_DEPTHS),

@@ -6,8 +6,11 @@
 EM-LLM reads every document once into a MemoryPool (one pinned checkpoint) and answers each question as the chat
 turn's header, the documents' tokens, then the question's tail (``prompts.chat_frame``; ``template="text"``:
 ``context_ids + tokenize(qa_suffix(question))``): the documents' tokens are a prefix of every prompt, so each
-question reads only its own few tokens. RAG embeds 300-word chunks once and, per question, puts the top 5 into
-the same template for the same LLM under plain full attention. What each method looked at is kept:
+question reads only its own few tokens. RAG chunks and indexes the documents once and, per question, puts what it
+retrieves into the same template for the same LLM under plain full attention: ``rag="paper"`` (the default) is the
+paper's protocol (300-word chunks, the top 5 by MiniLM similarity); ``rag="tuned"`` is the RAG a practitioner builds
+(hybrid dense + BM25 search, 32-word chunks, the prompt filled to the default preset's attention span; see
+``rag.RECIPES``). What each method looked at is kept:
 the retrieved chunks for RAG, and for EM-LLM the document spans its episodic retrieval held in attention when the
 answer began (``GenerationResult.retrieved_events``, mapped from token positions back to the documents by
 ``emllm_integrations.sources``, as the LlamaIndex query engine maps them).
@@ -25,7 +28,7 @@ from emllm import DEFAULT_PRESET, RetrievedEvent
 from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
 from .prompts import chat_frame, chat_header, check_template, qa_suffix
-from .rag import CHUNK_WORDS, TOP_K, RAGBaseline
+from .rag import CHUNK_WORDS, TOP_K, RAGBaseline, RAGRecipe, resolve_recipe
 from .sources import context_tokens, event_spans
 
 METHODS = ("em-llm", "rag")
@@ -59,6 +62,8 @@ class ComparisonResult:
     top_k: int = TOP_K
     chunk_words: int = CHUNK_WORDS
     context_order: str = "document"
+    retrieval: str = "dense"
+    context_tokens: int | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
     def rows_for(self, method: str) -> list[ComparisonRow]:
@@ -76,8 +81,10 @@ class ComparisonResult:
         lines = [f"Model: {self.model}.",
                  f"EM-LLM ({self.preset}): read {self.document_tokens:,} document tokens once"
                  + (f" in {em[0].prefill_seconds:.1f} s" if em else "") + ".",
-                 f"RAG ({self.embedding}, {self.chunk_words}-word chunks, top {self.top_k}, {self.context_order} "
-                 f"order, full attention): {self.rag_chunks} chunks indexed"
+                 f"RAG ({self.embedding}{', hybrid with BM25' if self.retrieval == 'hybrid' else ''}, "
+                 f"{self.chunk_words}-word chunks, "
+                 + (f"up to {self.context_tokens:,} tokens of them" if self.context_tokens else f"top {self.top_k}")
+                 + f", {self.context_order} order, full attention): {self.rag_chunks} chunks indexed"
                  + (f" in {rag[0].prefill_seconds:.1f} s" if rag else "") + ".",
                  "",
                  markdown_table(["question", "method", "answer", "retrieved context", "query s", "decode s",
@@ -103,12 +110,13 @@ def _preview(row: ComparisonRow, chars: int, items: int) -> str:
 
 # ---------------------------------------------------------------------- the comparison
 def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str = DEFAULT_PRESET,
-            embedding: Any = "minilm",
-            max_new_tokens: int = 64, top_k: int = TOP_K, chunk_words: int = CHUNK_WORDS,
+            embedding: Any = "minilm", rag: str | RAGRecipe = "paper",
+            max_new_tokens: int = 64, top_k: int | None = None, chunk_words: int | None = None,
             context_order: str = "document", llm_model: str | None = None, dtype: str = "auto",
             template: str = "chat", progress: bool = False, **engine_fields: Any) -> ComparisonResult:
     """Answer every question with EM-LLM (``preset`` plus any EMConfig field, e.g. n_local=1024) and with the RAG
-    baseline, on the same LLM, greedily. ``template``: "chat" puts the documents (RAG: its chunks) and then the
+    baseline built to the recipe ``rag`` ("paper" or "tuned", rag.RECIPES; ``top_k`` and ``chunk_words`` override
+    it), on the same LLM, greedily. ``template``: "chat" puts the documents (RAG: its chunks) and then the
     question in one user turn of the model's chat template, as people ask a chat model; "text" uses the raw
     ``prompts.qa_suffix`` frame. Inputs and settings are checked before the LLM is loaded (the embedding name is
     checked as the small embedding model loads, also first)."""
@@ -118,16 +126,20 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     documents = check_documents(documents)
     questions = _check_questions(questions)
     check_positive("max_new_tokens", max_new_tokens)
+    recipe = resolve_recipe(rag)
+    top_k = recipe.top_k if top_k is None else top_k
+    chunk_words = recipe.chunk_words if chunk_words is None else chunk_words
     check_positive("top_k", top_k)
     check_positive("chunk_words", chunk_words)
     check_order(context_order)
     check_template(template)
     config = EMConfig.from_preset(preset, **engine_fields)
 
-    rag = RAGBaseline(embedding, chunk_words, top_k, llm_model, context_order=context_order, dtype=dtype)
-    engine = rag.engine  # the shared engine for (llm_model, dtype): both methods run on the same weights
+    baseline = RAGBaseline(embedding, chunk_words, top_k, llm_model, context_order=context_order, dtype=dtype,
+                           retrieval=recipe.retrieval, context_tokens=recipe.context_tokens)
+    engine = baseline.engine  # the shared engine for (llm_model, dtype): both methods run on the same weights
     started = time.perf_counter()
-    rag_chunks = rag.add_documents(documents)
+    rag_chunks = baseline.add_documents(documents)
     rag_setup = time.perf_counter() - started
 
     chat = template == "chat"
@@ -153,7 +165,7 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
                 prefill_seconds=em_setup, query_seconds=result.prefill_seconds,
                 decode_seconds=result.decode_seconds, tokens_read=result.new_input_tokens,
                 output_tokens=result.output_tokens, finish_reason=result.finish_reason))
-            answer = rag.answer(question, max_new_tokens, chat=chat)
+            answer = baseline.answer(question, max_new_tokens, chat=chat)
             rows.append(ComparisonRow(
                 question, "rag", answer.text, [c.text for c in answer.chunks],
                 [{"doc_id": c.doc_id, "chunk_id": c.chunk_id, "score": c.score} for c in answer.chunks],
@@ -162,9 +174,10 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
                 output_tokens=answer.output_tokens, finish_reason=answer.finish_reason))
     finally:
         pool.close()
-    return ComparisonResult(rows=rows, preset=preset, embedding=str(rag.embedding_name), model=engine.model_name,
-                            document_tokens=len(document_ids), rag_chunks=rag_chunks, top_k=top_k,
-                            chunk_words=chunk_words, context_order=context_order,
+    return ComparisonResult(rows=rows, preset=preset, embedding=str(baseline.embedding_name),
+                            model=engine.model_name, document_tokens=len(document_ids), rag_chunks=rag_chunks,
+                            top_k=top_k, chunk_words=chunk_words, context_order=context_order,
+                            retrieval=recipe.retrieval, context_tokens=recipe.context_tokens,
                             config={k: getattr(config, k) for k in ("n_init", "n_local", "n_mem", "chunk_size",
                                                                      "segmentation", "refinement", "contiguity",
                                                                      "attention")})

@@ -77,6 +77,10 @@ KV_FILE = "kv.safetensors"
 #: takes them from the loading side (its machine, its disks), everything else from the save.
 PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_budget_mb", "offload_dir",
                     "max_input_tokens")
+# Fields the loading engine decides whatever the save says. A save holds no event-text embeddings (a loaded memory
+# embeds its events again on its first question), so the model that embeds them is the engine's own choice; taking
+# it from the manifest would let whoever wrote the file choose a folder of weights for this process to load.
+ENGINE_FIELDS = ("event_embedding",)
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
 ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm"}
 # Config fields of earlier releases that the scorer objects replaced (retrieval_scoring, retrieval_pooling) or that
@@ -402,9 +406,10 @@ def load_memory(path: str | os.PathLike, engine: EngineLike, *, config: EMConfig
 
     The saved config is restored; only the placement fields (page_tokens, ram_budget_mb, device_budget_mb,
     disk_budget_mb, offload_dir, max_input_tokens) come from ``config`` (default: the engine's), so evicted pages go
-    to this machine's RAM within its budget and the rest to its disk. A ``config`` whose other fields differ from
-    the saved ones is refused. Raises MemoryFileError if anything is missing, damaged, foreign or incompatible; then
-    no memory is returned and nothing is left behind.
+    to this machine's RAM within its budget and the rest to its disk, and so does event_embedding (ENGINE_FIELDS: the
+    file never chooses weights to load). A ``config`` whose other fields differ from the saved ones is refused.
+    Raises MemoryFileError if anything is missing, damaged, foreign or incompatible; then no memory is returned and
+    nothing is left behind.
     """
     target = Path(path).absolute()
     for attempt in range(_LOAD_ATTEMPTS):
@@ -534,14 +539,14 @@ def _restore_config(manifest: dict[str, Any], engine: EngineLike, config: EMConf
                               f"(unknown: {sorted(set(saved) - names)}, missing: {sorted(names - set(saved))}).")
     placement = config or engine.config
     if config is not None:
-        differ = [f"{k}={saved[k]!r} (given {getattr(config, k)!r})" for k in sorted(names - set(PLACEMENT_FIELDS))
-                  if saved[k] != getattr(config, k)]
+        differ = [f"{k}={saved[k]!r} (given {getattr(config, k)!r})"
+                  for k in sorted(names - set(PLACEMENT_FIELDS) - set(ENGINE_FIELDS)) if saved[k] != getattr(config, k)]
         if differ:
             raise MemoryFileError(
                 f"The memory at {target} was built with {', '.join(differ)} (see its {MANIFEST}); a memory's "
                 "layout and method cannot change after it was read. Pass a config with the saved values, or none "
                 "(the saved one is used).")
-    saved.update({k: getattr(placement, k) for k in PLACEMENT_FIELDS})
+    saved.update({k: getattr(placement, k) for k in (*PLACEMENT_FIELDS, *ENGINE_FIELDS)})
     try:
         restored = EMConfig(**saved)
         restored.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)

@@ -6,7 +6,8 @@
 Tasks (``tasks``): ``passkey`` (infinity-Bench Retrieve.PassKey), ``needle`` (needle in a haystack of Paul Graham
 essays; a depth x length heatmap), ``kv`` (infinity-Bench Retrieve.KV), ``multidoc`` (many documents, each question
 answered by one of them). Methods: any EM-LLM preset (``S``, ``SM``, ``S+C``, ``SM+C``, ``F`` (InfLLM), ...),
-``full`` (plain full attention) and the RAG baseline with MiniLM or mpnet embeddings (``rag-minilm``, ``rag-mpnet``).
+``full`` (plain full attention) and the RAG baseline with MiniLM or mpnet embeddings (``rag-minilm``, ``rag-mpnet``:
+the paper's protocol) or tuned (``rag-tuned``: hybrid search, rag.RECIPES["tuned"]).
 
 One prompt for every method: the task's context, then ``tasks.probe_suffix(question, answer_lead)`` (the question
 and the start of its answer, as infinity-Bench's prompts end) tokenised apart, as in compare.py. EM-LLM and ``full``
@@ -38,12 +39,13 @@ from .probes import Probe, Probes, multidoc_probes, needle_probes
 from .report import accuracy_grid, markdown, summary, wilson_interval, write_report
 from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS,
                        PROBE_TASKS, RAG_METHODS, ROW_FIELDS, RULER_TASKS, SETTINGS_FILE, TASKS, BenchRequirementError,
-                       BenchSettings, check_requirements, config_overrides, finished_tasks, load_done, settings_record)
+                       BenchSettings, check_out_dir, check_requirements, config_overrides, finished_tasks, load_done,
+                       settings_record)
 
 __all__ = ["run_bench", "run_cell", "TaskItem", "document_seed", "task_items", "peak_rss_mb", "read_each", "Probe",
            "Probes", "multidoc_probes", "needle_probes", "accuracy_grid", "markdown", "summary", "wilson_interval",
            "write_report",
            "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "DEFAULT_METHODS", "DEFAULT_QUESTIONS", "PROBE_TASKS", "RULER_TASKS",
            "FULL_MAX_TOKENS", "RAG_METHODS", "ROW_FIELDS",
-           "SETTINGS_FILE", "TASKS", "BenchRequirementError", "BenchSettings", "check_requirements",
+           "SETTINGS_FILE", "TASKS", "BenchRequirementError", "BenchSettings", "check_out_dir", "check_requirements",
            "config_overrides", "finished_tasks", "load_done", "settings_record"]

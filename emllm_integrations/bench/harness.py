@@ -170,7 +170,7 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
 
             try:
                 if not rag_warm:
-                    _warm_rag(RAG_METHODS[method], engine, settings)
+                    _warm_rag(RAG_METHODS[method][0], engine, settings)
                     rag_warm = True
                 _answer_rag(item, method, length, engine, settings, emit_answer)
             except Exception as error:  # one failed document must not end the whole run
@@ -278,7 +278,8 @@ def _answer_rag(item: TaskItem, method: str, length: int, engine: Any, settings:
     from ..rag import RAGBaseline
 
     # A fresh index per document set (the embedding model itself is loaded once per process and shared).
-    rag = RAGBaseline(RAG_METHODS[method], llm_model=settings.model, engine=engine, dtype=settings.dtype)
+    embedding, recipe = RAG_METHODS[method]
+    rag = RAGBaseline.from_recipe(recipe, embedding, llm_model=settings.model, engine=engine, dtype=settings.dtype)
     started = time.perf_counter()
     rag.add_documents(list(item.documents))
     prefill = time.perf_counter() - started

@@ -42,7 +42,6 @@ import collections
 import functools
 import itertools
 import math
-import operator
 import random
 import re
 import string
@@ -53,43 +52,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tasks
-from .tasks import (PASSKEY_NOISE, SENTENCE_END, check_counter, check_num_tokens, essay_prose, essay_sentences,
-                    essay_text, grow_to_length)
+from .heldout import chronicle
+from .documents import (MAX_QUESTIONS, TOLERANCE, Question, TaskDocument, check_family_args, fit_length,  # noqa: F401
+                        score, too_small)
+from .tasks import (PASSKEY_NOISE, SENTENCE_END, essay_prose, essay_sentences,
+                    essay_text)
 from .tasks import HaystackNotAvailableError  # noqa: F401  (re-exported: the essay families raise it)
-
-
-@dataclass(frozen=True)
-class Question:
-    question: str              # asked after the document, RULER-style wording, no answer lead-in
-    answers: tuple[str, ...]   # every string a correct answer must contain (all of them; case-insensitive)
-    depth: float               # where its evidence sits in the context, 0 = start .. 1 = end (mean over its needles)
-
-
-@dataclass(frozen=True)
-class TaskDocument:
-    task: str
-    context: str               # the instruction + haystack with everything inserted: read once
-    questions: tuple[Question, ...]
-
-
-def score(output: str, answers: str | Sequence[str]) -> float:
-    """The fraction of ``answers`` found in ``output``, case-insensitive (RULER's string_match_all): a question with
-    four expected values scores 0.5 when two are given. A single string counts as one answer."""
-    answers = (answers,) if isinstance(answers, str) else tuple(answers)
-    if not answers:
-        raise ValueError("answers must hold at least one expected string (score is the fraction found).")
-    found = str(output).lower()
-    return sum(answer.lower() in found for answer in answers) / len(answers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Constants: the wording of the instructions and questions, and the knobs of the families.
-TOLERANCE = 0.03        # a context is at most this much longer than asked
-_AIM = 1.005            # size estimates aim this far over num_tokens, so that one count usually lands in range
 MIN_HAYSTACK_SHARE = 0.25  # needles may take at most 3/4 of the document: below, there is no haystack to search
 SPREAD = 0.2            # a multi-needle question's needles lie within this fraction of the document (so its mean
                         # depth still says where its evidence is, and its needles are far apart: 26K tokens at 128K)
-MAX_QUESTIONS = 500     # needles are drawn distinct pairwise (quadratic): 500 x 4 needles take seconds
 DISTRACTORS_PER_KEY = 3
 VALUES_PER_KEY = 4
 KEYS_PER_QUERY = 2
@@ -158,38 +133,6 @@ _NOUNS = (
     "radish", "ribbon", "rocket", "saddle", "salmon", "scarf", "shovel", "socket", "spider", "sponge", "squirrel",
     "teapot", "thimble", "thistle", "ticket", "tiger", "timber", "tomato", "tunnel", "turnip", "turtle", "violin",
     "walnut", "walrus", "whistle", "willow", "wizard", "zipper")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Argument checks: all made before any work, each error naming the fix.
-def _check_questions(questions: object, cap: int = MAX_QUESTIONS) -> int:
-    if isinstance(questions, bool) or not isinstance(questions, int) or not 1 <= questions <= cap:
-        raise ValueError(f"questions must be an integer in [1, {cap}] (how many questions the document holds), got "
-                         f"{questions!r}.")
-    return questions
-
-
-def _check_seed(seed: object) -> int:
-    try:
-        if isinstance(seed, bool):
-            raise TypeError
-        return operator.index(seed)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(f"seed must be an integer (the same seed gives the same document), got {seed!r}.") from None
-
-
-def _check_args(task: str, num_tokens: object, count_tokens: object, questions: object, seed: object,
-                cap: int = MAX_QUESTIONS) -> tuple[int, Callable[[str], int], int, random.Random]:
-    """Every generator's arguments, checked; returns them with the generator's random source, seeded by the family's
-    name too (one seed gives each family other keys and values, not the same numbers in every document)."""
-    num_tokens, count_tokens = check_num_tokens(num_tokens), check_counter(count_tokens)
-    questions, seed = _check_questions(questions, cap), _check_seed(seed)
-    return num_tokens, count_tokens, questions, random.Random(f"{task}:{seed}")
-
-
-def _too_small(task: str, num_tokens: int, questions: int, needed: int, what: str) -> ValueError:
-    return ValueError(f"num_tokens={num_tokens} is too small for {questions} questions of {task}: {what}. Ask for at "
-                      f"least {needed} tokens or fewer questions.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -327,21 +270,6 @@ def _window(rng: random.Random, anchor: float, count: int) -> list[float]:
     return [low + SPREAD * (k + 0.5 + (rng.random() - 0.5) / 2) / count for k in range(count)]
 
 
-def _fit(num_tokens: int, count_tokens: Callable[[str], int], build: Callable[[int], str], fixed: int,
-         per_unit: float) -> str:
-    """``build(units)`` sized to [num_tokens, (1 + TOLERANCE) * num_tokens] tokens: first from the estimated density
-    (``per_unit`` tokens a unit on top of ``fixed``), then, if out of range, from the density of that text itself,
-    grown until long enough (tasks.grow_to_length). Two or three counts of the whole context."""
-    units = max(1, math.ceil((num_tokens * _AIM - fixed) / per_unit))
-    text = build(units)
-    got = count_tokens(text)
-    if num_tokens <= got <= num_tokens * (1 + TOLERANCE / 2):  # half the tolerance: a growth step may follow
-        return text
-    per_unit = max((got - fixed) / units, 1e-3)
-    return grow_to_length(count_tokens, num_tokens, build, max(1, math.ceil((num_tokens * _AIM - fixed) / per_unit)),
-                 per_unit)
-
-
 def _depths(context: str, prefix: int, inserts: Sequence[_Insert], offsets: Sequence[int], questions: int
             ) -> list[float]:
     """Each question's depth: the mean of its inserts' character offsets over the context's length."""
@@ -359,7 +287,7 @@ def _haystack_document(task: str, num_tokens: int, count_tokens: Callable[[str],
     question, the inserts' owners index it."""
     fixed = count_tokens(instruction + " ".join(i.text for i in inserts))
     if fixed > num_tokens * (1 - MIN_HAYSTACK_SHARE):
-        raise _too_small(task, num_tokens, len(asked), math.ceil(fixed / (1 - MIN_HAYSTACK_SHARE)),
+        raise too_small(task, num_tokens, len(asked), math.ceil(fixed / (1 - MIN_HAYSTACK_SHARE)),
                          f"the instruction and needles alone take {fixed} tokens, and at least "
                          f"{MIN_HAYSTACK_SHARE:.0%} of the document must be haystack")
     chars_per_token = len(haystack.sample) / max(1, count_tokens(haystack.sample))
@@ -369,9 +297,10 @@ def _haystack_document(task: str, num_tokens: int, count_tokens: Callable[[str],
         text, placed["offsets"] = _place(haystack.sentences(chars), inserts)
         return instruction + text
 
-    context = _fit(num_tokens, count_tokens, build, fixed, 1 / chars_per_token)  # the last build: its offsets
+    context = fit_length(num_tokens, count_tokens, build, fixed, 1 / chars_per_token)  # the last build: its offsets
     depths = _depths(context, len(instruction), inserts, placed["offsets"], len(asked))
-    return TaskDocument(task, context, tuple(Question(q, a, d) for (q, a), d in zip(asked, depths)))
+    evidence = [tuple(i.text for i in inserts if i.owner == q) for q in range(len(asked))]
+    return TaskDocument(task, context, tuple(Question(q, a, d, e) for (q, a), d, e in zip(asked, depths, evidence)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,21 +343,24 @@ def _niah(task: str, num_tokens: int, count_tokens: Callable[[str], int], questi
 def niah_single(num_tokens: int, count_tokens: Callable[[str], int], *, questions: int = 20,
                 seed: int = 0) -> TaskDocument:
     """A needle per question in the essays, each with its own key; values cycle number, word, UUID."""
-    num_tokens, count_tokens, questions, rng = _check_args("niah_single", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "niah_single", num_tokens, count_tokens, questions, seed)
     return _niah("niah_single", num_tokens, count_tokens, questions, rng, _essays(rng), KINDS, 0)
 
 
 def niah_noise(num_tokens: int, count_tokens: Callable[[str], int], *, questions: int = 20,
                seed: int = 0) -> TaskDocument:
     """A number needle per question in repeated noise sentences."""
-    num_tokens, count_tokens, questions, rng = _check_args("niah_noise", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "niah_noise", num_tokens, count_tokens, questions, seed)
     return _niah("niah_noise", num_tokens, count_tokens, questions, rng, NOISE, ("number",), 0)
 
 
 def niah_multikey(num_tokens: int, count_tokens: Callable[[str], int], *, questions: int = 20,
                   seed: int = 0) -> TaskDocument:
     """niah_single plus DISTRACTORS_PER_KEY needles of the same form per question, with keys never asked."""
-    num_tokens, count_tokens, questions, rng = _check_args("niah_multikey", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "niah_multikey", num_tokens, count_tokens, questions, seed)
     return _niah("niah_multikey", num_tokens, count_tokens, questions, rng, _essays(rng), KINDS,
                  DISTRACTORS_PER_KEY)
 
@@ -437,7 +369,8 @@ def niah_multivalue(num_tokens: int, count_tokens: Callable[[str], int], *, ques
                     seed: int = 0) -> TaskDocument:
     """VALUES_PER_KEY needles per asked key, each with another number, spread over a window of the essays; the
     question asks for all of them."""
-    num_tokens, count_tokens, questions, rng = _check_args("niah_multivalue", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "niah_multivalue", num_tokens, count_tokens, questions, seed)
     haystack = _essays(rng)
     unique = _Unique(rng, haystack.text, NUMBERS_INSTRUCTION, VALUE_NEEDLE, MULTIVALUE_QUESTION)
     pairs = _pairs(rng)
@@ -456,7 +389,8 @@ def niah_multiquery(num_tokens: int, count_tokens: Callable[[str], int], *, ques
                     seed: int = 0) -> TaskDocument:
     """KEYS_PER_QUERY number needles per question, each with its own key, within a window of the essays; the
     question asks for both keys' numbers."""
-    num_tokens, count_tokens, questions, rng = _check_args("niah_multiquery", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "niah_multiquery", num_tokens, count_tokens, questions, seed)
     haystack = _essays(rng)
     unique = _Unique(rng, haystack.text, NUMBERS_INSTRUCTION, NEEDLE, MULTIQUERY_QUESTION)
     pairs = _pairs(rng)
@@ -485,7 +419,8 @@ def variable_tracking(num_tokens: int, count_tokens: Callable[[str], int], *, qu
                       seed: int = 0) -> TaskDocument:
     """A chain per question in noise: "VAR A = value." then CHAIN_HOPS hops "VAR B = VAR A.", in order within a window;
     the answer is every name of the chain. Names and values are distinct across chains."""
-    num_tokens, count_tokens, questions, rng = _check_args("variable_tracking", num_tokens, count_tokens, questions,
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "variable_tracking", num_tokens, count_tokens, questions,
                                                            seed)
     unique = _Unique(rng, NOISE.text, VT_INSTRUCTION, VT_FIRST, VT_HOP, VT_QUESTION)
     inserts, asked = [], []
@@ -518,7 +453,7 @@ def _sectioned_document(task: str, num_tokens: int, count_tokens: Callable[[str]
     per_unit = count_tokens(sections([sample_units])[0][0]) / sample_units
     fixed = count_tokens(instruction)
     if (num_tokens - fixed) / per_unit / questions < min_units:
-        raise _too_small(task, num_tokens, questions, math.ceil(fixed + 1.05 * per_unit * min_units * questions),
+        raise too_small(task, num_tokens, questions, math.ceil(fixed + 1.05 * per_unit * min_units * questions),
                          f"each section needs at least {min_units} words (about {per_unit:.1f} tokens each)")
     built: dict[str, list[tuple[str, tuple[str, ...]]]] = {}
 
@@ -526,7 +461,7 @@ def _sectioned_document(task: str, num_tokens: int, count_tokens: Callable[[str]
         built["sections"] = sections(_sizes(units, questions))
         return instruction + SECTION_SEPARATOR.join(text for text, _ in built["sections"])
 
-    context = _fit(num_tokens, count_tokens, build, fixed, per_unit)
+    context = fit_length(num_tokens, count_tokens, build, fixed, per_unit)
     asked, start = [], len(instruction)
     for index, (text, answers) in enumerate(built["sections"], 1):
         asked.append(Question(question.format(index=index), answers, (start + len(text) / 2) / len(context)))
@@ -575,7 +510,8 @@ def common_words(num_tokens: int, count_tokens: Callable[[str], int], *, questio
                  seed: int = 0) -> TaskDocument:
     """A numbered word list per question ("List 7: 1. word 2. word ..."), COMMON_WORDS words of it repeating more
     often than any other word; the question asks for those."""
-    num_tokens, count_tokens, questions, rng = _check_args("common_words", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "common_words", num_tokens, count_tokens, questions, seed)
     vocabulary = _essay_vocabulary()
     base = rng.getrandbits(64)
     orders: dict[int, list[str]] = {}  # each list's shuffled vocabulary, drawn once
@@ -618,7 +554,8 @@ def frequent_words(num_tokens: int, count_tokens: Callable[[str], int], *, quest
                    seed: int = 0) -> TaskDocument:
     """A passage of random coded words per question ("Passage 7: word word ..."), their counts following a Zipf law;
     the question asks for the FREQUENT_WORDS most frequent. Coded words are distinct across passages."""
-    num_tokens, count_tokens, questions, rng = _check_args("frequent_words", num_tokens, count_tokens, questions, seed)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        "frequent_words", num_tokens, count_tokens, questions, seed)
     base = rng.getrandbits(64)
     templates = (FW_INSTRUCTION + FW_QUESTION + FW_HEADER).lower()
 
@@ -769,7 +706,7 @@ def fact_qa(num_tokens: int, count_tokens: Callable[[str], int], *, questions: i
             seed: int = 0) -> TaskDocument:
     """A fact per question in the essays, about a person of its own, asked in other words; templates are used in a
     seeded order, each once before any repeats."""
-    num_tokens, count_tokens, questions, rng = _check_args("fact_qa", num_tokens, count_tokens, questions, seed,
+    num_tokens, count_tokens, questions, rng = check_family_args("fact_qa", num_tokens, count_tokens, questions, seed,
                                                            cap=len(FIRST_NAMES))
     haystack = _essays(rng)
     names = [n for n in FIRST_NAMES if n.lower() not in _essay_words()]
@@ -790,6 +727,144 @@ def fact_qa(num_tokens: int, count_tokens: Callable[[str], int], *, questions: i
     return _haystack_document("fact_qa", num_tokens, count_tokens, FACT_INSTRUCTION, haystack, inserts, asked)
 
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# Facts reached through other facts (multi-hop): the question names a person only by a role, or by a relation to
+# the holder of a role, in words of its own; the answer is a fact about someone the question never names.
+@dataclass(frozen=True)
+class _Link:
+    fact: str    # the sentence inserted, with {person} and {place} (a role) or {person} and {other} (a relation)
+    asked: str   # how a question names the person it leads to, in other words, with {place} or {other}
+
+
+_ROLES = (
+    _Link("{person} has kept the lighthouse at {place} for twenty years.", "the keeper of the beacon at {place}"),
+    _Link("{person} runs the ferry that crosses over to {place}.", "the boat operator serving {place}"),
+    _Link("{person} is the head librarian of {place}.", "the person in charge of the books at {place}"),
+    _Link("{person} was elected mayor of {place} last spring.", "the elected leader of {place}"),
+    _Link("{person} conducts the church choir in {place}.", "the person who directs the singers of {place}"),
+    _Link("{person} repairs every clock in {place}.", "the watchmender of {place}"),
+    _Link("{person} bakes all the bread sold in {place}.", "the baker who supplies {place} with loaves"),
+    _Link("{person} delivers the post in {place}.", "the mail carrier of {place}"),
+    _Link("{person} teaches arithmetic at the village school in {place}.", "the mathematics teacher of {place}"),
+    _Link("{person} looks after the western map room in {place}.", "the custodian of the charts at {place}"),
+)
+_RELATIONS = (
+    _Link("{person} shares a flat with {other}.", "the flatmate of {other}"),
+    _Link("{person} is married to {other}.", "the spouse of {other}"),
+    _Link("{person} taught {other} to play chess.", "the chess tutor of {other}"),
+    _Link("{person} rents a spare room to {other}.", "the landlord of {other}"),
+    _Link("{person} has been the closest friend of {other} since school.", "the oldest companion of {other}"),
+    _Link("{person} employs {other} as an assistant.", "the boss of {other}"),
+)
+_PLACE_STARTS = ("Vell", "Ash", "Dun", "Kil", "Thorn", "Elder", "Moss", "Pell", "Cadder", "Oak", "Windle", "Rush",
+                 "Bram", "Fen", "Gorse", "Heron")
+_PLACE_ENDS = ("moor", "combe", "haven", "brack", "wick", "holm", "grave", "thorpe", "ford", "stead", "mere", "ley",
+               "bury", "dale", "field", "port")
+SURNAMES = ("Benedek", "Varga", "Okafor", "Lindqvist", "Moreau", "Petrova", "Castellano", "Nakamura", "Haddad",
+            "Kowalczyk", "Mensah", "Oyelaran", "Brannigan", "Szabo", "Delacroix", "Ferreira", "Halvorsen", "Ivanov",
+            "Jaramillo", "Kaur", "Lombardi", "Mbeki", "Novak", "Ostrowski", "Quispe", "Rahimi", "Sandoval",
+            "Takahashi", "Umarov", "Vasquez")
+"""The multi-hop families' surnames: a person is a first name of FIRST_NAMES (distinct within a document) and one of
+these, so a question that names nobody cannot be answered by a name it holds."""
+HOP_INSTRUCTION = ("Some facts about people and the places they serve are hidden within the following text. Make "
+                   "sure to memorize them. I will quiz you about them after the text.\n")
+LOOKALIKE_NAMES = (
+    "Abebe", "Brigitta", "Casimir", "Delphine", "Eero", "Florin", "Gisela", "Henrik", "Isidora", "Jarek", "Kalinda",
+    "Leopold", "Mirela", "Nils", "Odalys", "Pavel", "Rosalind", "Stellan", "Tamsin", "Uriel", "Vesna", "Wilhelmina",
+    "Xavier", "Yolanda", "Zoltan", "Anselm", "Beatrix", "Cyprian", "Dorota", "Evander", "Filippa", "Gaspard",
+    "Honora", "Ignatius", "Jessamy", "Konstantin", "Liesel", "Mortimer", "Nerys", "Ottilie", "Perpetua", "Radomir",
+    "Seraphina", "Thaddeus", "Ursula", "Vladimir", "Winifred")
+"""People of the multi-hop families' look-alike facts: never in a chain, so a look-alike can be told from the
+answer only by the name the chain leads to."""
+LOOKALIKES = 2
+"""Look-alike facts per question: the asked fact's template filled for other people. Without them the answer fact
+would be the only one of its kind nearby and a retriever could find it from the question's wording alone, skipping
+the hop the family is meant to test."""
+MULTI_HOP_SEPARATION = 0.3
+"""How far apart, as a fraction of the document, the first and last fact of a chain lie: past the local window at
+every length the suite measures, so no one stretch of text holds a whole chain."""
+
+
+def _places(rng: random.Random) -> Iterator[str]:
+    """Every start-end place name once, the first len(_PLACE_STARTS) sharing neither part (a Latin square, as
+    _pairs): look-alike places would test telling names apart, not following a chain."""
+    starts, ends = rng.sample(_PLACE_STARTS, len(_PLACE_STARTS)), rng.sample(_PLACE_ENDS, len(_PLACE_ENDS))
+    for shift in range(len(ends)):
+        for i, start in enumerate(starts):
+            yield start + ends[(i + shift) % len(ends)]
+
+
+def _chain_depths(rng: random.Random, anchor: float, links: int) -> list[float]:
+    """``links`` depths spanning MULTI_HOP_SEPARATION, placed around ``anchor`` (kept inside [0, 1]), in an order of
+    their own: a chain's facts are not always in the order it is followed."""
+    low = min(max(anchor - MULTI_HOP_SEPARATION / 2, 0.0), 1.0 - MULTI_HOP_SEPARATION)
+    depths = [low + MULTI_HOP_SEPARATION * k / (links - 1) for k in range(links)]
+    rng.shuffle(depths)
+    return depths
+
+
+def _multi_hop(task: str, hops: int, num_tokens: int, count_tokens: Callable[[str], int], questions: int,
+               seed: int) -> TaskDocument:
+    """A chain per question: a role fact (person at a place), ``hops - 2`` relation facts (person to person), and a
+    fact_qa fact about the chain's last person; the question asks that fact of the role (through the relations)."""
+    people_per_question = hops - 1
+    cap = min(len(FIRST_NAMES) // people_per_question, len(LOOKALIKE_NAMES) // LOOKALIKES)
+    num_tokens, count_tokens, questions, rng = check_family_args(
+        task, num_tokens, count_tokens, questions, seed, cap=cap)
+    haystack = _essays(rng)
+    unique = _Unique(rng, haystack.text, HOP_INSTRUCTION, *(link.fact + link.asked for link in _ROLES + _RELATIONS),
+                     *(t.fact + t.question for t in _FACTS))  # places: each where it is put, and nowhere else
+    words = _essay_words()
+    firsts = iter(rng.sample([n for n in FIRST_NAMES if n.lower() not in words], people_per_question * questions))
+    others = iter(rng.sample([n for n in LOOKALIKE_NAMES if n.lower() not in words], LOOKALIKES * questions))
+    places = _places(rng)
+    order = [t for _ in range(math.ceil(questions / len(_FACTS))) for t in rng.sample(_FACTS, len(_FACTS))]
+    corpus = haystack.text + HOP_INSTRUCTION.lower()
+    facts: list[str] = []
+    answers: list[str] = []
+    inserts, asked = [], []
+    for q, (template, anchor) in enumerate(zip(order, _anchors(rng, questions))):
+        people = [f"{next(firsts)} {rng.choice(SURNAMES)}" for _ in range(people_per_question)]
+        place = unique.first(places, "place")
+        role = rng.choice(_ROLES)
+        chain = [role.fact.format(person=people[0], place=place)]
+        named = role.asked.format(place=place)
+        for earlier, person in itertools.pairwise(people):
+            relation = rng.choice(_RELATIONS)
+            chain.append(relation.fact.format(person=person, other=earlier))
+            named = relation.asked.format(other=named)
+        fact, question, answer = _fact(rng, template, people[-1], corpus, facts, answers)
+        question = template.question.format(name=named)
+        chain.append(fact)
+        facts.append(fact.lower())
+        answers.append(answer.lower())
+        inserts += [_Insert(depth, text, q) for depth, text in zip(_chain_depths(rng, anchor, hops), chain)]
+        for _ in range(LOOKALIKES):  # the same kind of fact about people no chain reaches, anywhere in the text
+            twin, _, twin_answer = _fact(rng, template, f"{next(others)} {rng.choice(SURNAMES)}", corpus, facts,
+                                         answers)
+            facts.append(twin.lower())
+            answers.append(twin_answer.lower())
+            inserts.append(_Insert(rng.random(), twin, -1))
+        asked.append((question[0].upper() + question[1:], (answer,)))
+    return _haystack_document(task, num_tokens, count_tokens, HOP_INSTRUCTION, haystack, inserts, asked)
+
+
+def two_hop(num_tokens: int, count_tokens: Callable[[str], int], *, questions: int = 20,
+            seed: int = 0) -> TaskDocument:
+    """A fact about a person asked of the role they hold ("Which ingredient makes the watchmender of Vellmoor ill?"):
+    the role fact and the answer fact lie MULTI_HOP_SEPARATION apart and share only the person's name, which the
+    question does not hold."""
+    return _multi_hop("two_hop", 2, num_tokens, count_tokens, questions, seed)
+
+
+def three_hop(num_tokens: int, count_tokens: Callable[[str], int], *, questions: int = 20,
+              seed: int = 0) -> TaskDocument:
+    """A fact about a person asked through a relation to the holder of a role ("... the flatmate of the watchmender of
+    Vellmoor ..."): three facts over MULTI_HOP_SEPARATION of the document, the question naming neither person."""
+    return _multi_hop("three_hop", 3, num_tokens, count_tokens, questions, seed)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 FAMILIES: dict[str, Callable[..., TaskDocument]] = {
     "niah_single": niah_single,
@@ -801,6 +876,9 @@ FAMILIES: dict[str, Callable[..., TaskDocument]] = {
     "common_words": common_words,
     "frequent_words": frequent_words,
     "fact_qa": fact_qa,
+    "two_hop": two_hop,
+    "three_hop": three_hop,
+    "chronicle": chronicle,  # built another way and held out from tuning (heldout.py)
 }
 
 

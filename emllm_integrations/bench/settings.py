@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RULER_TASKS = ("niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
-               "variable_tracking", "common_words", "frequent_words", "fact_qa")
+               "variable_tracking", "common_words", "frequent_words", "fact_qa", "two_hop", "three_hop",
+               "chronicle")
 """The suite (bench.ruler): RULER's families and fact QA in other words, each a document with many questions."""
 PROBE_TASKS = ("passkey", "needle", "kv", "multidoc")
 """Probes with an answer lead-in and a question per depth (bench.tasks), kept for the diagnostic scripts."""
 TASKS = (*RULER_TASKS, *PROBE_TASKS)
-RAG_METHODS = {"rag-minilm": "minilm", "rag-mpnet": "mpnet"}
-DEFAULT_METHODS = ("E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet")
+RAG_METHODS = {"rag-minilm": ("minilm", "paper"), "rag-mpnet": ("mpnet", "paper"), "rag-tuned": ("minilm", "tuned")}
+"""Each RAG method's embedding and recipe (rag.RECIPES): the paper's protocol with either embedder, and the RAG a
+practitioner builds (hybrid search, its chunk size chosen on a development split)."""
+DEFAULT_METHODS = ("E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
 DEFAULT_LENGTHS = (8192, 32768, 65536, 131072)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_QUESTIONS = 20
@@ -119,6 +122,30 @@ def load_done(out_dir: str | os.PathLike, settings: dict[str, Any]) -> list[dict
     return rows
 
 
+REPORT_FILES = ("bench.json", "bench.md", SETTINGS_FILE)
+"""What a bench run writes to its folder besides figures: a run never replaces these unless it resumes them."""
+
+
+def check_out_dir(out_dir: str | os.PathLike, resume: bool) -> None:
+    """Refuse an output folder whose files this run would replace: a file named as the folder; a bench.json without
+    --resume; or, with no bench.json to resume, a bench.md or bench-settings.json (someone's report, or a run that
+    never finished a cell: neither is this run's to overwrite)."""
+    out = pathlib.Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder: give a folder (new or holding a bench.json "
+                         "with --resume).")
+    if (out / "bench.json").exists():
+        if not resume:
+            raise ValueError(f"{out} already holds a bench.json: pass --resume to add this run's cells to it "
+                             "(cells already measured are skipped), or give another --out.")
+        return
+    present = [name for name in REPORT_FILES if (out / name).exists()]
+    if present:
+        raise ValueError(f"{out} holds {', '.join(present)} but no bench.json, so this run would replace "
+                         f"{'it' if len(present) == 1 else 'them'} without resuming anything: give another --out, or "
+                         "move them away.")
+
+
 def finished_tasks(done: Sequence[dict[str, Any]], settings: BenchSettings) -> set[tuple[str, str, int]]:
     """(task, method, length) of earlier rows that answered all of the cell's questions (every requested depth of a
     probe) without error."""
@@ -162,7 +189,7 @@ def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
             from ..rag import EmbeddingNotAvailableError, resolve_embedding
 
             try:
-                resolve_embedding(RAG_METHODS[method])
+                resolve_embedding(RAG_METHODS[method][0])
             except EmbeddingNotAvailableError as error:
                 raise BenchRequirementError(f"{method}: {error}") from None
 

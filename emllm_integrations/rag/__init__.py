@@ -43,13 +43,36 @@ from emllm.embeddings import (EMBEDDINGS, MPNET_INSTALL, MPNET_PARTS, EmbeddingN
 
 from ..checks import CONTEXT_ORDERS, check_documents, check_order, check_positive, check_question
 from ..prompts import chat_context, chat_frame, format_context, qa_prompt, qa_suffix
+from .hybrid import BM25Index, reciprocal_rank_fusion
 
-__all__ = ["CHUNK_WORDS", "CONTEXT_ORDERS", "EMBEDDINGS", "MPNET_INSTALL", "MPNET_PARTS", "TOP_K", "Chunk",
-           "EmbeddingNotAvailableError", "RAGAnswer", "RAGBaseline", "WordSpan", "check_documents", "encode",
-           "load_embedding_model", "mpnet_dir", "resolve_embedding", "split_words"]
+__all__ = ["CHUNK_WORDS", "CONTEXT_ORDERS", "EMBEDDINGS", "MPNET_INSTALL", "MPNET_PARTS", "RECIPES", "RETRIEVALS",
+           "TOP_K", "Chunk", "EmbeddingNotAvailableError", "RAGAnswer", "RAGBaseline", "RAGRecipe", "WordSpan",
+           "check_documents", "encode", "load_embedding_model", "mpnet_dir", "resolve_embedding", "resolve_recipe",
+           "split_words"]
 
 CHUNK_WORDS = 300   # the paper's l (appendix A.2, following Li et al. 2024c)
 TOP_K = 5           # the paper's k
+RETRIEVALS = ("dense", "hybrid")
+
+
+@dataclass(frozen=True)
+class RAGRecipe:
+    """How a RAG baseline chunks, ranks and fills its prompt (RAGBaseline's settings besides the models)."""
+    chunk_words: int
+    top_k: int                          # chunks retrieved (with context_tokens: the most that may enter)
+    retrieval: str = "dense"            # "dense" (the embedder) or "hybrid" (embedder + BM25, rank-fused)
+    context_tokens: int | None = None   # fill the prompt best first up to this many LLM tokens of chunks
+
+
+RECIPES = {
+    # The paper's protocol (appendix A.2).
+    "paper": RAGRecipe(CHUNK_WORDS, TOP_K),
+    # What a practitioner builds: hybrid dense + BM25 search, the chunk size chosen on a development split of the
+    # bench's generators (benchmarks/rag_tuning.py; never on the test documents), and the prompt filled to the
+    # default preset's attention span besides its sinks (n_local + n_mem = 4,096 tokens), so that both methods
+    # give the LLM the same number of tokens to read the answer from.
+    "tuned": RAGRecipe(chunk_words=32, top_k=128, retrieval="hybrid", context_tokens=4096),
+}
 
 
 # ---------------------------------------------------------------------- chunking
@@ -110,18 +133,40 @@ class RAGBaseline:
 
     def __init__(self, embedding: Any = "minilm", chunk_words: int = CHUNK_WORDS, top_k: int = TOP_K,
                  llm_model: str | None = None, *, context_order: str = "document", engine: Any = None,
-                 device: str | None = None, dtype: str = "auto"):
+                 device: str | None = None, dtype: str = "auto", retrieval: str = "dense",
+                 context_tokens: int | None = None):
         check_positive("chunk_words", chunk_words)
         check_positive("top_k", top_k)
         check_order(context_order)
+        if retrieval not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {RETRIEVALS} (\"hybrid\": the embedder and BM25, "
+                             f"rank-fused), got {retrieval!r}.")
+        if context_tokens is not None:
+            check_positive("context_tokens", context_tokens)
         self.model = load_embedding_model(embedding, device=device)
         self.embedding_name = embedding if isinstance(embedding, str) else type(embedding).__name__
         self.chunk_words, self.top_k, self.context_order = chunk_words, top_k, context_order
+        self.retrieval, self.context_tokens = retrieval, context_tokens
         self.llm_model, self.dtype, self._engine = llm_model, dtype, engine
         self.index = faiss.IndexFlatIP(self.model.get_embedding_dimension())
+        self.lexical = BM25Index()
+        self.chunk_tokens: list[int] = []  # LLM tokens of each chunk, counted only when a budget needs them
         self.chunks: list[Chunk] = []
         self.num_documents = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_recipe(cls, recipe: str | RAGRecipe = "paper", embedding: Any = "minilm", **kwargs: Any
+                    ) -> RAGBaseline:
+        """A baseline built to a recipe: ``"paper"`` (300 words, top 5, dense) or ``"tuned"`` (RECIPES), or a
+        RAGRecipe; other keyword arguments as for RAGBaseline."""
+        recipe = resolve_recipe(recipe)
+        return cls(embedding, recipe.chunk_words, recipe.top_k, retrieval=recipe.retrieval,
+                   context_tokens=recipe.context_tokens, **kwargs)
+
+    @property
+    def recipe(self) -> RAGRecipe:
+        return RAGRecipe(self.chunk_words, self.top_k, self.retrieval, self.context_tokens)
 
     @property
     def engine(self) -> Any:
@@ -151,21 +196,42 @@ class RAGBaseline:
                     new.append(Chunk(span.text, self.num_documents + i, j, None, span.start_word, span.end_word,
                                      span.start_char, span.end_char, meta))
             self.index.add(encode(self.model, [c.text for c in new]))
+            self.lexical.add([c.text for c in new])
             self.chunks.extend(new)
             self.num_documents += len(texts)
         return len(new)
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[Chunk]:
-        """The ``top_k`` chunks most similar to the question, best first, each with its cosine score."""
+        """The ``top_k`` chunks most relevant to the question, best first: by cosine similarity (``score``), or for
+        hybrid retrieval by the reciprocal-rank fusion of the similarity and BM25 rankings (``score`` the fused
+        score). With ``context_tokens`` the list stops where the chunks' LLM tokens would exceed it (a chunk that
+        would overflow is passed over for a shorter one further down)."""
         check_question(question)
         top_k = self.top_k if top_k is None else top_k
         check_positive("top_k", top_k)
         with self._lock:
             if not self.chunks:
                 raise RuntimeError("The RAG index is empty: call add_documents(texts) before retrieving.")
-            query = encode(self.model, [question])
-            scores, ids = self.index.search(query, min(top_k, len(self.chunks)))
-            return [_with_score(self.chunks[i], float(s)) for s, i in zip(scores[0], ids[0]) if i >= 0]
+            depth = min(top_k, len(self.chunks))
+            scores, ids = self.index.search(encode(self.model, [question]), depth)
+            ranked = [(int(i), float(s)) for s, i in zip(scores[0], ids[0]) if i >= 0]
+            if self.retrieval == "hybrid":
+                lexical = [i for i, _ in self.lexical.search(question, depth)]
+                ranked = reciprocal_rank_fusion([[i for i, _ in ranked], lexical])[:depth]
+            if self.context_tokens is not None:
+                ranked = self._within_budget(ranked)
+            return [_with_score(self.chunks[i], s) for i, s in ranked]
+
+    def _within_budget(self, ranked: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The ranked chunks, best first, whose LLM tokens together fit context_tokens."""
+        if len(self.chunk_tokens) < len(self.chunks):  # counted once per chunk, with the LLM's own tokenizer
+            self.chunk_tokens.extend(self.engine.count_tokens(c.text) for c in self.chunks[len(self.chunk_tokens):])
+        kept, used = [], 0
+        for i, score in ranked:
+            if used + self.chunk_tokens[i] <= self.context_tokens:  # type: ignore[operator]
+                kept.append((i, score))
+                used += self.chunk_tokens[i]
+        return kept
 
     def order(self, chunks: list[Chunk]) -> list[Chunk]:
         """Chunks in the order they enter the prompt (see the module docstring)."""
@@ -211,6 +277,15 @@ class RAGBaseline:
                          input_tokens=result.input_tokens, output_tokens=result.output_tokens,
                          retrieve_seconds=retrieve_seconds, prefill_seconds=result.prefill_seconds,
                          decode_seconds=result.decode_seconds)
+
+
+def resolve_recipe(recipe: str | RAGRecipe) -> RAGRecipe:
+    """A recipe by name (RECIPES) or as given, refused naming the choices."""
+    if isinstance(recipe, RAGRecipe):
+        return recipe
+    if recipe not in RECIPES:
+        raise ValueError(f"Unknown RAG recipe {recipe!r}: choose one of {', '.join(RECIPES)}, or pass a RAGRecipe.")
+    return RECIPES[recipe]
 
 
 def _with_score(chunk: Chunk, score: float) -> Chunk:

@@ -79,7 +79,7 @@ def test_report_refuses_empty_or_foreign_rows(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tasks=["passkey", "haystack"]),
-     "Unknown task 'haystack': choose from niah_single, .*, fact_qa, passkey, needle, kv, multidoc"),
+     "Unknown task 'haystack': choose from niah_single, .*, fact_qa, two_hop, three_hop, chronicle, passkey, needle, kv, multidoc"),
     (dict(tasks="passkey"), "Pass a list of tasks"),
     (dict(methods=["S", "rag-bert"]), "Unknown method 'rag-bert'"),
     (dict(methods=[]), "method list is empty"),
@@ -305,6 +305,19 @@ def test_a_question_with_several_answers_is_right_only_with_all_of_them():
     row = harness_row("fact_qa", "ER", 1024, 1100, 0.5, "q?", ("Green Shed",), "In the green shed.", 1.0, 0.5, 0.2,
                       10, 20, 30.0)
     assert row["score"] == 1.0 and row["correct"] is True  # case does not matter (RULER's string match)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.parametrize("left", ["bench.md", "bench-settings.json"])
+def test_cli_will_not_replace_a_report_it_cannot_resume(tmp_path, capsys, left, resume):
+    """A folder with a bench.md or bench-settings.json but no bench.json (someone's report, or a run that never
+    finished a cell) is refused before anything runs, with or without --resume: nothing there is replaced."""
+    (tmp_path / left).write_text("a user's own notes")
+    argv = ["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(tmp_path)]
+    assert main(argv + (["--resume"] if resume else [])) == 2
+    assert f"holds {left} but no bench.json" in capsys.readouterr().err
+    assert (tmp_path / left).read_text() == "a user's own notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [left]
 
 
 def test_cli_refuses_an_out_that_is_a_file_before_measuring(tmp_path, capsys):

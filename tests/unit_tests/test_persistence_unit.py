@@ -616,3 +616,21 @@ def test_a_full_disk_raises_storage_full_error_and_keeps_the_previous_save(engin
     assert "free disk space" in str(error.value)
     assert memory_differences(small, load_memory(target, engine)) == []
     assert siblings(target) == []
+
+
+def test_the_engine_chooses_the_event_embedding_not_the_file(saved, engine, tmp_path):
+    """A manifest edited to name a folder of weights as its event embedding (checksum recomputed, as a forger would)
+    loads with the engine's own embedding: the file never chooses what this process loads."""
+    forged = copy_save(saved, tmp_path)
+    rewrite_manifest(forged, lambda m: m["config"].update(event_embedding=str(tmp_path / "someone-elses-model")))
+    memory = load_memory(forged, engine)
+    try:
+        assert memory.config.event_embedding == engine.config.event_embedding
+    finally:
+        memory.close()
+    given = engine.config.replace(event_embedding="mpnet")  # a caller's explicit choice is theirs, not a mismatch
+    memory = load_memory(saved, engine, config=given)
+    try:
+        assert memory.config.event_embedding == "mpnet"
+    finally:
+        memory.close()

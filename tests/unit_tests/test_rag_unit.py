@@ -26,6 +26,7 @@ from emllm.memory import RetrievedEvent
 from emllm_integrations import rag
 from emllm_integrations.compare import ComparisonResult, ComparisonRow, compare
 from emllm import embeddings
+from emllm_integrations.rag import hybrid as rag_hybrid
 from emllm_integrations.rag import langchain as rag_langchain
 from emllm_integrations.rag import llama_index as rag_llama_index
 from emllm_integrations.sources import context_tokens, event_spans
@@ -297,7 +298,8 @@ def test_compare_checks_input_before_loading_the_llm(monkeypatch):
              ((DOCS, ["q"]), {"n_locale": 5}, ConfigError, "Unknown config field"),
              ((DOCS, ["q"]), {"top_k": 0}, ValueError, "top_k"),
              ((DOCS, ["q"]), {"max_new_tokens": 0}, ValueError, "max_new_tokens"),
-             ((DOCS, ["q"]), {"embedding": "nope"}, ValueError, "Unknown embedding")]
+             ((DOCS, ["q"]), {"embedding": "nope"}, ValueError, "Unknown embedding"),
+             ((DOCS, ["q"]), {"rag": "best"}, ValueError, "Unknown RAG recipe")]
     for args, kwargs, error, match in cases:
         with pytest.raises(error, match=match):
             compare(*args, **kwargs)
@@ -488,3 +490,62 @@ def test_to_markdown_has_one_row_per_question_and_method():
     with pytest.raises(ValueError, match="method"):
         result.rows_for("bm25")
 
+
+
+# ---------------------------------------------------------------------- the tuned recipe: hybrid search, a budget
+def test_reciprocal_rank_fusion_adds_reciprocal_ranks():
+    fused = dict(rag_hybrid.reciprocal_rank_fusion([[3, 1, 2], [1, 4]], k=60))
+    assert fused[1] == pytest.approx(1 / 62 + 1 / 61)  # second in one ranking, first in the other: best
+    assert fused[3] == pytest.approx(1 / 61) and fused[4] == pytest.approx(1 / 62)
+    assert [item for item, _ in rag_hybrid.reciprocal_rank_fusion([[3, 1, 2], [1, 4]])][:2] == [1, 3]
+
+
+def test_bm25_finds_rare_words_and_has_no_opinion_on_stop_words():
+    index = rag_hybrid.BM25Index()
+    index.add(["The cook chopped onions.", "Code 4417 opens the garden gate.", "Bread rose in the oven."])
+    assert index.search("which number is 4417", 3)[0][0] == 1
+    assert index.search("the of and", 3) == []
+    index.add(["A second gate, code 9902."])  # added later: the index is rebuilt
+    assert index.search("9902", 3)[0][0] == 3
+
+
+def test_hybrid_retrieval_finds_a_code_the_embedder_blurs():
+    """A question that names a code: BM25 ranks the one chunk holding it first, and fusion keeps it near the top
+    while dense retrieval alone ranks look-alike chunks (same words, other codes) as high."""
+    docs = [f"The gate of the {place} yard opens with the code {code}." for place, code in
+            [("north", 1111), ("south", 2222), ("east", 3333), ("west", 4444), ("river", 5555), ("mill", 6666)]]
+    hybrid = rag.RAGBaseline(chunk_words=300, top_k=2, retrieval="hybrid")
+    hybrid.add_documents(docs)
+    assert any("4444" in c.text for c in hybrid.retrieve("Which yard's gate does code 4444 open?"))
+
+
+def test_the_context_budget_is_filled_best_first_in_llm_tokens():
+    """The budget counts the LLM's own tokens (here a real tokenizer, MiniLM's, on a tiny engine): the chunks kept
+    fit it, best first, and the next chunk of the ranking would not have."""
+    tokenizer = rag.load_embedding_model("minilm").tokenizer
+    engine = EMEngine(tiny_model(), tokenizer, EMConfig.from_preset("S", **TINY))
+    counted = rag.RAGBaseline(chunk_words=50, top_k=64, context_tokens=300, engine=engine)
+    counted.add_documents(DOCS)
+    chunks = counted.retrieve(QUESTION)
+    everything = rag.RAGBaseline(chunk_words=50, top_k=64, engine=engine)
+    everything.add_documents(DOCS)
+    ranked = everything.retrieve(QUESTION)
+    used = sum(engine.count_tokens(c.text) for c in chunks)
+    assert used <= 300 < used + engine.count_tokens(ranked[len(chunks)].text)
+    assert [c.chunk_id for c in chunks] == [c.chunk_id for c in ranked[:len(chunks)]]  # best first
+    assert "Tobias" in chunks[0].text or "Tobias" in chunks[1].text
+
+
+def test_recipes_by_name_and_bad_settings():
+    assert rag.resolve_recipe("paper") == rag.RAGRecipe(300, 5, "dense", None)
+    tuned = rag.RAGBaseline.from_recipe("tuned")
+    assert (tuned.retrieval, tuned.context_tokens, tuned.chunk_words) == ("hybrid", 4096, rag.RECIPES["tuned"]
+                                                                          .chunk_words)
+    default = EMConfig.from_preset("E")
+    assert rag.RECIPES["tuned"].context_tokens == default.n_local + default.n_mem  # the default's attention span
+    with pytest.raises(ValueError, match="Unknown RAG recipe 'best'.*paper, tuned"):
+        rag.resolve_recipe("best")
+    with pytest.raises(ValueError, match="retrieval must be one of"):
+        rag.RAGBaseline(retrieval="sparse")
+    with pytest.raises(ValueError, match="context_tokens must be a positive integer"):
+        rag.RAGBaseline(context_tokens=0)
