@@ -26,7 +26,7 @@ import ctypes
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +55,11 @@ class _Step:
 
 
 class StepBatcher:
-    """Runs the queued decoding steps of concurrent generations together through ``run(memories, tokens)``."""
+    """Runs the queued decoding steps of concurrent generations together through ``run(memories, tokens)``, which
+    returns each row's error (or None): a step raises in its own thread only what its own row raised."""
 
-    def __init__(self, run: Callable[[list[Any], list[int]], None], max_rows: int = MAX_ROWS,
+    def __init__(self, run: Callable[[list[Any], list[int]], Sequence[BaseException | None] | None],
+                 max_rows: int = MAX_ROWS,
                  gather_seconds: float = GATHER_SECONDS):
         self._run = run
         self._gather = gather_seconds
@@ -116,16 +118,16 @@ class StepBatcher:
         batch, self._pending = self._pending[:self.max_rows], self._pending[self.max_rows:]
         self._running = True
         self._cond.release()
-        error: BaseException | None = None
+        errors: Sequence[BaseException | None] = [None] * len(batch)
         try:
-            self._run([s.memory for s in batch], [s.token for s in batch])
-        except BaseException as raised:  # every row of a failed forward fails, each in its own thread
-            error = raised
+            errors = self._run([s.memory for s in batch], [s.token for s in batch]) or errors  # each row's own
+        except BaseException as raised:  # the forward itself failed: every row fails, each in its own thread
+            errors = [raised] * len(batch)
         finally:
             self._cond.acquire()
             self._running, self._last_end = False, time.perf_counter()
             self.batch_sizes = (self.batch_sizes + [len(batch)])[-4096:]
-            for queued in batch:
+            for queued, error in zip(batch, errors):
                 queued.done, queued.error = True, error
             self._cond.notify_all()
 

@@ -66,6 +66,13 @@ class TextStream:
     def __next__(self) -> str:
         return next(self._deltas)
 
+    def close(self) -> None:
+        """Stop generating here, as a generator's close() does: the memory keeps what it has read, no result is
+        made, and concurrent conversations stop waiting for this one's steps."""
+        close = getattr(self._deltas, "close", None)
+        if close is not None:
+            close()
+
     @property
     def result(self) -> GenerationResult:
         if "result" not in self._holder:

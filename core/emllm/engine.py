@@ -33,7 +33,7 @@ from .codec import EncodedPrompt, Message, Prompt, PromptCodec, refuse_bytes
 from .config import DEFAULT_PRESET, EMConfig
 from .conversation import MemoryMismatchError, OwnMemory, Request, converse
 from .decoding import Decoding, GenerationResult, TextStream, check_sampling, decoding, end_of_turn_ids
-from .forward import layer_attention
+from .forward import FailedRow, layer_attention
 from .grammar import Grammar, GrammarCompiler
 from .layer_memory import ModelShape
 from .memory import EpisodicMemory, because
@@ -325,39 +325,64 @@ class EMEngine:
             self.batcher.max_rows = 1 if self._row_block is None else self.batcher.max_rows
         return None if self._row_block is False else self._row_block
 
-    def step(self, memories: list[EpisodicMemory], tokens: list[int]) -> None:
+    def step(self, memories: list[EpisodicMemory], tokens: list[int]) -> list[BaseException | None]:
         """One decoding step of one or more conversations as one forward (the StepBatcher calls it): each token is
         fed to its own memory, whose last_logits then predict the next. The weights are read once for all rows,
-        padded to the row block so each row's result does not depend on the batch (emllm.batching)."""
+        padded to the row block so each row's result does not depend on the batch (emllm.batching). Returns each
+        row's error (None: it went well): a conversation whose own memory fails gets its error, the others go on."""
         block = self.row_block
         if block is None and len(memories) > 1:  # no batch-invariant row count: one forward each
-            for memory, token in zip(memories, tokens):
-                self.step([memory], [token])
-            return
-        block = block or 1
-        padding = -len(memories) % block
-        plans = [memory.plan_forward(retrieve=True, answering=True) for memory in memories]
-        self.forward_rows([*memories, *[None] * padding], torch.tensor(tokens + tokens[:1] * padding)[:, None],
-                           plans, keep=1)
+            return [self.step([memory], [token])[0] for memory, token in zip(memories, tokens)]
+        errors: list[BaseException | None] = [None] * len(memories)
+        rows, plans = [], []
+        for row, memory in enumerate(memories):
+            try:
+                plans.append(memory.plan_forward(retrieve=True, answering=True))
+                rows.append(row)
+            except Exception as error:  # nothing was read: the memory stays as it was
+                errors[row] = error
+        if not rows:
+            return errors
+        padding = -len(rows) % (block or 1)
+        failures: dict[int, BaseException] = {}
+        batch = [tokens[row] for row in rows]
+        self.forward_rows([*(memories[row] for row in rows), *[None] * padding],
+                          torch.tensor(batch + batch[:1] * padding)[:, None], plans, keep=1, failures=failures)
+        for index, failure in failures.items():
+            errors[rows[index]] = failure
+        return errors
 
     def forward_rows(self, memories: Sequence[EpisodicMemory | None], ids: torch.Tensor, plans: list[RetrievalPlan],
-                     keep: int) -> torch.Tensor:
+                     keep: int, failures: dict[int, BaseException] | None = None) -> torch.Tensor:
         """ids [rows, q], row i read into memories[i] under plans[i] (a None memory is a padding row: it attends to
-        nothing and its logits are dropped); returns the logits [rows, q or keep, vocab]."""
+        nothing and its logits are dropped); returns the logits [rows, q or keep, vocab].
+
+        A memory that fails part-way has taken some of the forward's keys and events but not the rest: it would
+        answer from a state no input produces, so it is closed. With ``failures`` (a batched decoding step), a row
+        whose own memory raises (in a layer, or storing what it read) is closed alone and its error recorded there
+        by row; the others finish as they would alone. Without it, or when the forward itself fails, every row's
+        memory is closed and the error raised."""
         real = [memory for memory in memories if memory is not None]
         for memory, plan in zip(real, plans):
             memory.begin_forward(plan)
+        rows: list[Any] = list(memories)  # the layers mark a row whose memory raised (forward.FailedRow) in it
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=ids.to(self.input_device), use_cache=False, logits_to_keep=keep,
-                                 emllm_memory=memories if len(memories) > 1 else memories[0])
+                                 emllm_memory=rows if len(rows) > 1 else rows[0])
                 for row, memory in enumerate(real):  # real rows come first
-                    memory.observe(ids[row], out.logits[row])
-                    if memory.evict():
-                        memory.embed_events()  # each event's text is embedded once, when it leaves the window
+                    try:
+                        if isinstance(rows[row], FailedRow):
+                            raise rows[row].error
+                        memory.observe(ids[row], out.logits[row])
+                        if memory.evict():
+                            memory.embed_events()  # each event's text is embedded once, when it leaves the window
+                    except Exception as error:
+                        if failures is None:
+                            raise
+                        memory.close(f"a forward pass failed part-way with {type(error).__name__}: {error}")
+                        failures[row] = error
         except BaseException as error:
-            # The layers may have taken the chunk's keys and some of its events, the rest not: such a memory would
-            # answer from a state no input produces, so it is closed rather than left half-updated.
             shared = f" (one forward with {len(real) - 1} other conversations)" if len(real) > 1 else ""
             for memory in real:
                 memory.close(f"a forward pass{shared} failed part-way with {type(error).__name__}: {error}")

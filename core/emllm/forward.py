@@ -9,6 +9,9 @@ that is why it runs here, before attention, rather than before the forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from .attention import attention_given, attention_received, episodic_attention, group_heads
@@ -29,7 +32,7 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if emllm_memory is None:
         raise RuntimeError("This model's attention is managed by emllm: run it through EMEngine (which passes an "
                            "episodic memory), or load a fresh copy of the model for plain use.")
-    memories = emllm_memory if isinstance(emllm_memory, list) else [emllm_memory]
+    memories: list[Any] = emllm_memory if isinstance(emllm_memory, list) else [emllm_memory]
     if query.shape[0] != len(memories):
         raise ValueError(f"emllm attention needs one episodic memory per row: got {query.shape[0]} rows and "
                          f"{len(memories)} memories; give each conversation its own EpisodicMemory.")
@@ -37,10 +40,32 @@ def layer_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     layer_index: int = getattr(module, "layer_idx")  # noqa: B009 (set by transformers on every attention module)
     if len(memories) == 1:
         return memory_attention(layer_index, query, key, value, memories[0], scaling), None
-    rows = [memory_attention(layer_index, query[row:row + 1], key[row:row + 1], value[row:row + 1], memory,
-                             scaling) if memory is not None else torch.zeros_like(query[row:row + 1]).transpose(1, 2)
-            for row, memory in enumerate(memories)]  # None: a padding row (EMEngine.step), attending to nothing
-    return torch.cat(rows), None
+    return torch.cat([row_attention(layer_index, query, key, value, memories, row, scaling)
+                      for row in range(len(memories))]), None
+
+
+@dataclass(frozen=True)
+class FailedRow:
+    """A row of a batched forward whose own memory raised in some layer: the forward's remaining layers treat it as
+    padding, and the engine closes that memory and gives its conversation the error (EMEngine.forward_rows), while
+    the other rows finish the forward as they would have alone."""
+    memory: EpisodicMemory
+    error: Exception
+
+
+def row_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  memories: list[EpisodicMemory | FailedRow | None], row: int, scaling: float) -> torch.Tensor:
+    """One row of a batched forward, [1, q, heads, d]: its memory's attention, or zeros for a padding row (None:
+    EMEngine.step pads to the row block) or a failed one. A row whose memory raises is marked failed in
+    ``memories`` (the list every layer of this forward is given), so one conversation's error stays its own."""
+    memory = memories[row]
+    if isinstance(memory, EpisodicMemory):
+        try:
+            return memory_attention(layer_index, query[row:row + 1], key[row:row + 1], value[row:row + 1], memory,
+                                    scaling)
+        except Exception as error:  # any error of this row's memory is this row's alone
+            memories[row] = FailedRow(memory, error)
+    return torch.zeros_like(query[row:row + 1]).transpose(1, 2)
 
 
 def memory_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

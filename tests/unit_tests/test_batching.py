@@ -3,6 +3,8 @@ forwards, each keeps its own memory, and every conversation gets exactly the tok
 
 from __future__ import annotations
 
+import itertools
+import random
 import threading
 
 import pytest
@@ -74,6 +76,87 @@ def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_me
     assert all(isinstance(e, IndexError) for e in errors), errors
     assert all(m.closed and "failed part-way" in m.closed_reason for m in forks)
     assert not any(m.closed for m in memories)  # the memories they were forked from are untouched
+
+
+class InjectedFault(RuntimeError):
+    """Raised by fault injection: what a disk, a layer or a user's callback might raise."""
+
+
+def _fail_from(target, name: str, call: int) -> None:
+    """Fault injection on one object only (an instance attribute shadows the method): its ``name`` raises from its
+    ``call``-th call on."""
+    real, calls = getattr(target, name), itertools.count()
+
+    def failing(*args, **kwargs):
+        if next(calls) >= call:
+            raise InjectedFault(f"{name} failed at call {call}")
+        return real(*args, **kwargs)
+
+    setattr(target, name, failing)
+
+
+def test_one_conversations_fault_stays_its_own_over_20_runs():
+    """Fault injection into one row of batched decoding at a random step: its storing what it read (evict, as a full
+    disk does), one layer of its forward (a KV append), or its caller's own code between tokens (a stop callback
+    raising while it reads the stream). That conversation gets its error (its memory closed where the memory
+    failed); every other conversation finishes with exactly the tokens it gets alone."""
+    engine = tiny_engine("S")
+    prompts, memories = _memories(engine, (120, 200, 333))
+    alone = [engine.generate(p, memory=m.fork(), max_new_tokens=20).token_ids for p, m in zip(prompts, memories)]
+    rng = random.Random(57)
+    for run in range(20):
+        faulty, kind, at = rng.randrange(3), ("evict", "layer", "caller")[run % 3], rng.randrange(1, 16)
+        forks = [m.fork() for m in memories]
+        if kind == "evict":
+            _fail_from(forks[faulty], "evict", at)
+        elif kind == "layer":
+            _fail_from(forks[faulty].layers[rng.randrange(len(forks[faulty].layers))], "append", at)
+        out, errors = [None] * 3, [None] * 3
+        barrier = threading.Barrier(3)
+
+        def answer(i):
+            barrier.wait()
+            try:
+                stream = engine.stream(prompts[i], memory=forks[i], max_new_tokens=20)
+                for delta_count, _ in enumerate(stream, 1):
+                    if kind == "caller" and i == faulty and delta_count == at:
+                        stream.close()
+                        raise InjectedFault("the caller's stop callback failed")
+                out[i] = stream.result.token_ids
+            except BaseException as error:  # reported below
+                errors[i] = error
+
+        threads = [threading.Thread(target=answer, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), f"run {run}: a conversation hung"
+        assert isinstance(errors[faulty], InjectedFault), (run, kind, errors)
+        assert forks[faulty].closed == (kind != "caller"), (run, kind)
+        others = [i for i in range(3) if i != faulty]
+        assert [errors[i] for i in others] == [None, None], (run, kind, errors)
+        assert [out[i] for i in others] == [alone[i] for i in others], (run, kind)
+        assert not any(forks[i].closed for i in others)
+        for fork in forks:
+            fork.close()
+
+
+def test_a_full_disk_fails_only_its_own_conversation(tmp_path):
+    """Issue 57's case on the tiny model: one memory's disk budget runs out while it decodes (StorageFullError when
+    an event is evicted); the conversations decoding in the same forwards finish with the tokens they get alone."""
+    from emllm.storage import StorageFullError
+
+    engine = tiny_engine("S")
+    prompts, memories = _memories(engine, (200, 333))
+    alone = [engine.generate(p, memory=m.fork(), max_new_tokens=60).token_ids for p, m in zip(prompts, memories)]
+    tight = engine.new_memory(engine.config.replace(ram_budget_mb=0.001, disk_budget_mb=0.02, offload_dir=tmp_path))
+    tight_prompt = token_ids(120, seed=10)
+    engine.read(tight, tight_prompt)  # reading fits the budget; decoding 60 more tokens does not
+    out, errors = _together(engine, [tight_prompt, *prompts], [tight, *(m.fork() for m in memories)], 60)
+    assert isinstance(errors[0], StorageFullError) and tight.closed
+    assert errors[1:] == [None, None]
+    assert out[1:] == alone
 
 
 def test_a_lone_step_runs_at_once_and_big_crowds_wait_for_the_next_forward():
