@@ -31,11 +31,11 @@ def forward_sizes(monkeypatch, engine: EMEngine, flags: list[bool] | None = None
     sizes: list[int] = []
     real = EMEngine.forward_rows
 
-    def spy(self, memories, ids, plans, keep):
+    def spy(self, memories, ids, plans, keep, **kwargs):
         sizes.append(ids.shape[1])
         if flags is not None:
             flags.append(plans[0].answering)
-        return real(self, memories, ids, plans, keep)
+        return real(self, memories, ids, plans, keep, **kwargs)
 
     monkeypatch.setattr(EMEngine, "forward_rows", spy)
     return sizes
