@@ -26,7 +26,7 @@ import ctypes
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,13 @@ GATHER_SECONDS = 0.05
 """How long a step waits for other decoding generations to queue theirs before running without them: long enough
 for eight threads to sample and detokenize their last token (a few ms each, one at a time under the GIL), short
 next to a step (100-500 ms on a CPU)."""
+
+
+@dataclass
+class Generation:
+    """One generation inside StepBatcher.decoding(); ``suspended_since`` is set while its caller holds its last text
+    delta (StepBatcher.relay): a stream nobody reads takes no steps, and must not hold the others' forwards."""
+    suspended_since: float | None = None
 
 
 @dataclass
@@ -65,24 +72,51 @@ class StepBatcher:
         self._gather = gather_seconds
         self._cond = threading.Condition()
         self._pending: list[_Step] = []
-        self._decoding = 0      # generations inside decoding(): the steps a batch waits for
+        self._generations: list[Generation] = []  # inside decoding(): whose steps a batch waits for
         self._running = False
         self._last_end = 0.0
         self.max_rows = max_rows
         self.batch_sizes: list[int] = []  # rows of each forward run, for benchmarks (kept short)
 
     @contextlib.contextmanager
-    def decoding(self) -> Iterator[None]:
+    def decoding(self) -> Iterator[Generation]:
         """Marks a generation as decoding, so steps run while it is inside wait (a little) for its next step."""
+        generation = Generation()
         with self._cond:
-            self._decoding += 1
+            self._generations.append(generation)
         try:
-            yield
+            yield generation
         finally:
             with self._cond:
-                self._decoding -= 1
+                self._generations.remove(generation)
                 self._cond.notify_all()
             release_thread_workers()  # this thread is done with torch for now (see release_thread_workers)
+
+    def relay(self, generation: Generation, deltas: Generator[str, None, Any]) -> Generator[str, None, Any]:
+        """``deltas`` yielded on, the generation marked suspended while its caller holds each one; returns what
+        ``deltas`` returns. A caller that stops reading for longer than the gather window is no longer waited for
+        (a stream held open must not slow every other conversation's steps); it is again from its next step."""
+        try:
+            while True:
+                try:
+                    delta = next(deltas)
+                except StopIteration as end:
+                    return end.value
+                generation.suspended_since = time.perf_counter()
+                try:
+                    yield delta
+                finally:
+                    generation.suspended_since = None
+        finally:
+            deltas.close()
+
+    @property
+    def _decoding(self) -> int:
+        """Generations whose next step a batch waits for: those decoding, less those whose caller has held a delta
+        for longer than the gather window (read under the lock)."""
+        now = time.perf_counter()
+        return sum(1 for g in self._generations
+                   if g.suspended_since is None or now - g.suspended_since < self._gather)
 
     def step(self, memory: Any, token: int) -> None:
         """Feed ``token`` to ``memory`` (its logits land in memory.last_logits), with whatever steps other threads

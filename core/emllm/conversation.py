@@ -112,9 +112,10 @@ def _turn(engine: EMEngine, request: Request, policy: MemoryPolicy, holder: dict
             memory.attribution = torch.zeros(len(ids) + settings.max_new_tokens)
         constraint = engine.grammars.constraint(settings.grammar) if settings.grammar is not None else None
         started = time.perf_counter()
-        with engine.batcher.decoding():  # concurrent generations' steps wait briefly for this one's
-            answer = yield from decode(memory, settings, tokenizer=engine.tokenizer, eos_ids=engine.eos_ids,
-                                       constraint=constraint, step=engine.batcher.step)
+        with engine.batcher.decoding() as generation:  # concurrent generations' steps wait briefly for this one's
+            answer = yield from engine.batcher.relay(generation, decode(
+                memory, settings, tokenizer=engine.tokenizer, eos_ids=engine.eos_ids, constraint=constraint,
+                step=engine.batcher.step))
         holder["result"] = GenerationResult(
             text=answer.text, finish_reason=answer.finish_reason, input_tokens=len(ids),
             output_tokens=len(answer.token_ids), new_input_tokens=len(ids) - seen, prefill_seconds=prefill,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -114,7 +115,7 @@ def test_one_conversations_fault_stays_its_own_over_20_runs():
         out, errors = [None] * 3, [None] * 3
         barrier = threading.Barrier(3)
 
-        def answer(i):
+        def answer(i, forks=forks, kind=kind, faulty=faulty, at=at, out=out, errors=errors, barrier=barrier):
             barrier.wait()
             try:
                 stream = engine.stream(prompts[i], memory=forks[i], max_new_tokens=20)
@@ -157,6 +158,37 @@ def test_a_full_disk_fails_only_its_own_conversation(tmp_path):
     assert isinstance(errors[0], StorageFullError) and tight.closed
     assert errors[1:] == [None, None]
     assert out[1:] == alone
+
+
+def test_a_stream_nobody_reads_does_not_hold_the_others_steps():
+    """A generation whose caller holds a text delta and reads no further takes no steps. Once it has held it for
+    the gather window (here 2 s), the others' steps no longer wait for it: three steps that would wait 2 s each
+    run at once. When its caller reads again it is waited for again."""
+    ran: list[list[int]] = []
+    batcher = StepBatcher(lambda memories, tokens: ran.append(list(tokens)), gather_seconds=2.0)
+
+    def deltas():
+        yield "held"
+        yield "read later"
+
+    with batcher.decoding() as held:
+        stream = batcher.relay(held, deltas())
+        assert next(stream) == "held"  # its caller now holds it and reads no more
+        time.sleep(2.1)
+        finished = threading.Event()
+
+        def other():
+            with batcher.decoding():
+                for token in range(3):
+                    batcher.step(object(), token)
+            finished.set()
+
+        threading.Thread(target=other).start()
+        assert finished.wait(timeout=3.0), "the steps waited for a stream nobody reads (2 s each)"
+        assert ran == [[0], [1], [2]]
+        assert next(stream) == "read later" and held.suspended_since is not None
+        stream.close()
+    assert held.suspended_since is None
 
 
 def test_a_lone_step_runs_at_once_and_big_crowds_wait_for_the_next_forward():
