@@ -66,7 +66,7 @@ from emllm import (DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, Generation
 from emllm.decoding import check_sampling
 from emllm.models import check_model
 from emllm.sessions import shared_pool
-from emllm.tools import ReplyStream, ToolCall
+from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas
 
 from .async_bridge import iterate_in_thread
 from .sampling import sampling_options
@@ -326,6 +326,7 @@ class ChatEMLLM(BaseChatModel):
         format: the JSON in one chunk), then a last, empty chunk with the usage and response metadata."""
         prompt = to_engine_messages(messages)
         call = self.call_options(stop, kwargs)
+        schemas = ToolSchemas(call.tools) if call.tools else None  # checked before the model loads
         pool = self.pool(call.model)
         options = dict(call.sampling)
         if call.tools:
@@ -334,8 +335,7 @@ class ChatEMLLM(BaseChatModel):
             options["grammar"] = _response_grammar(call.response_format)
             prompt = with_format_request(prompt, call.response_format)
         stream = pool.stream(prompt, **options)
-        replies = _ReplyChunks({t["function"]["name"] for t in call.tools or []},
-                               whole=call.response_format is not None)
+        replies = _ReplyChunks(schemas, whole=call.response_format is not None)
         deltas = iter(stream)
         try:
             for delta in deltas:
@@ -488,9 +488,30 @@ def _last_chunk(result: GenerationResult, model_name: str) -> ChatGenerationChun
     return ChatGenerationChunk(message=message, generation_info={"finish_reason": result.finish_reason})
 
 
+INVALID_CALL_ERRORS = "invalid_tool_call_errors"
+"""additional_kwargs key of a streamed invalid call's chunk: {call id: [reason, what the model wrote]}."""
+
+
+def _invalid_args(call: InvalidToolCall) -> str:
+    """A streamed invalid call's args: LangChain's chunks carry no error field, so the reason leads (which also
+    keeps text that happens to be JSON from being parsed into a call); an invoke() gets the two apart."""
+    return f"invalid tool call ({call.error}): {call.text}"
+
+
+def _with_call_errors(message: Any) -> None:
+    """Each invalid tool call of a whole message gets its reason as ``error`` and what the model wrote as ``args``
+    (see _invalid_args)."""
+    errors = message.additional_kwargs.pop(INVALID_CALL_ERRORS, None) or {}
+    for call in message.invalid_tool_calls:
+        if call.get("id") in errors:
+            call["error"], call["args"] = errors[call["id"]]
+
+
 def _with_llm_output(result: ChatResult) -> ChatResult:
-    """The call's model and token usage as ``llm_output`` too, where ``on_llm_end`` handlers look for them."""
+    """The call's model and token usage as ``llm_output`` too, where ``on_llm_end`` handlers look for them; invalid
+    tool calls with their reasons."""
     message = result.generations[0].message
+    _with_call_errors(message)
     usage = getattr(message, "usage_metadata", None) or {}
     result.llm_output = {"model_name": message.response_metadata.get("model_name"),
                          "token_usage": {"prompt_tokens": usage.get("input_tokens", 0),
@@ -536,8 +557,8 @@ class _ReplyChunks:
     parses them); with ``whole``, everything in one chunk at the end (a streamed structured answer is parsed
     whole: partial JSON would not validate)."""
 
-    def __init__(self, tool_names: set[str], whole: bool):
-        self._replies = ReplyStream(tool_names) if tool_names else None
+    def __init__(self, schemas: ToolSchemas | None, whole: bool):
+        self._replies = ReplyStream(schemas) if schemas is not None else None
         self._whole, self._calls = whole, 0
         self._held: list[str] = []
 
@@ -557,10 +578,15 @@ class _ReplyChunks:
         for piece in pieces:
             if isinstance(piece, str):
                 message = AIMessageChunk(content=piece)
-            else:
-                args = (json.dumps(piece.arguments) if isinstance(piece, ToolCall) else piece.text)
+            elif isinstance(piece, ToolCall):
                 message = AIMessageChunk(content="", tool_call_chunks=[
-                    tool_call_chunk(name=piece.name, args=args, id=piece.id, index=self._calls)])
+                    tool_call_chunk(name=piece.name, args=json.dumps(piece.arguments), id=piece.id, index=self._calls)])
+                self._calls += 1
+            else:  # an invalid call: its args say why first, so LangChain cannot parse it into a valid call
+                message = AIMessageChunk(
+                    content="", tool_call_chunks=[tool_call_chunk(name=piece.name, args=_invalid_args(piece),
+                                                                  id=piece.id, index=self._calls)],
+                    additional_kwargs={INVALID_CALL_ERRORS: {piece.id: [piece.error, piece.text]}})
                 self._calls += 1
             out.append(ChatGenerationChunk(message=message))
         return out

@@ -37,7 +37,7 @@ from emllm import DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationR
 from emllm.models import check_model
 from emllm.persistence import read_metadata
 from emllm.sessions import shared_engine, shared_pool
-from emllm.tools import InvalidToolCall, ReplyStream, ToolCall
+from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas
 
 from .async_bridge import iterate_in_thread
 from .prompts import chat_frame, chat_header, check_template, qa_suffix
@@ -260,10 +260,11 @@ class EMLLM(FunctionCallingLLM):
     def _stream_chat_body(self, messages: Sequence[ChatMessage], options: dict[str, Any]) -> ChatResponseGen:
         tools = options.pop("tools", None)
         choice = options.pop("tool_choice", None)
+        schemas = ToolSchemas(tools) if tools else None  # checked before anything is read
         if tools:
             options.update(tool_decoding(self.pool.engine, tools, choice))
         stream = self.pool.stream(to_engine_messages(messages), **options)
-        return _chat_stream(stream, {tool["function"]["name"] for tool in tools or []})
+        return _chat_stream(stream, schemas)
 
     # ------------------------------------------------------------------ async: the work runs in a thread
     @llm_completion_callback()
@@ -324,10 +325,10 @@ def _arguments(kwargs: dict | str) -> dict:
     return value
 
 
-def _chat_stream(stream: TextStream, tool_names: set[str]) -> ChatResponseGen:
+def _chat_stream(stream: TextStream, schemas: ToolSchemas | None) -> ChatResponseGen:
     """ChatResponses as LlamaIndex streams them (the message so far and the new delta); with tools, the text and
     each complete call (a ToolCallBlock) parsed from the deltas (emllm.tools); the last carries the token counts."""
-    replies = ReplyStream(tool_names) if tool_names else None
+    replies = ReplyStream(schemas) if schemas is not None else None
     text, calls, invalid = "", [], []
     for delta, result in deltas_with_result(stream):
         pieces = replies.feed(delta) if replies else [delta]

@@ -40,7 +40,7 @@ from .memory import EpisodicMemory, because
 from .models import prepare_loaded
 from .rope import RotaryTable
 from .scoring import RetrievalPlan, uses_event_text
-from .tools import CALL_CLOSE, CALL_OPEN
+from .tools import CALL_CLOSE, CALL_OPEN, check_tools
 
 __all__ = ["EMEngine", "EncodedPrompt", "GenerationResult", "Inspection", "MemoryMismatchError", "TextStream",
            "check_sampling"]
@@ -397,6 +397,8 @@ class EMEngine:
         return self._request(prompt, decoding(**options), tools, progress)
 
     def _request(self, prompt: Prompt, settings: Decoding, tools: list[dict] | None, progress: bool) -> Request:
+        if tools is not None:
+            tools = check_tools(tools)
         if settings.grammar is not None:
             self.grammars.check(settings.grammar)
         return Request(self.encode_prompt(prompt, tools), settings, progress)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .tools import check_tools
+
 #: JSON as ``json.dumps`` writes it (", " and ": ", no other whitespace): what chat models were trained on, and no
 #: room for a small model to loop on blank space inside an object.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -48,7 +50,7 @@ class Grammar:
         ``call_open``/``call_close`` are Lark terminals: ``<[id]>`` where the tokenizer has one token for the tag."""
         if not tools:
             raise GrammarError("No tools to call: bind at least one tool, or call without tool_choice.")
-        options = [_call_schema(tool) for tool in tools]
+        options = [_call_schema(tool) for tool in check_tools(tools)]
         body = options[0] if len(options) == 1 else {"anyOf": options}
         calls = "call+" if required else "TEXT? call*"
         lark = (f"start: {calls}\nTEXT: /(.|\\n)+/\n"
@@ -105,11 +107,14 @@ class GrammarCompiler:
         if not isinstance(grammar, Grammar):
             raise TypeError("grammar must be an emllm Grammar (Grammar.json_schema(...)), "
                             f"got {type(grammar).__name__}.")
-        error = LLMatcher.validate_grammar(grammar.lark, self._ll_tokenizer())
+        error: str | None = LLMatcher.validate_grammar(grammar.lark, self._ll_tokenizer())
+        if not error:  # some grammars validate and fail only when asked for a token (a $ref that is only itself)
+            error = self.constraint(grammar).first_error()
         if error:
             raise GrammarError(f"{grammar.what} cannot be enforced by the constrained decoder: "
                                f"{error.strip().splitlines()[0]}. Remove or rewrite that part of the schema "
-                               "(e.g. 'not' has no equivalent; use an enum or a pattern).")
+                               "(e.g. 'not' has no equivalent; use an enum or a pattern; a $ref must lead to a "
+                               "schema, not only to itself).")
 
     def constraint(self, grammar: Grammar) -> GrammarConstraint:
         return GrammarConstraint(self._ll_tokenizer(), grammar, self.vocab_size)
@@ -136,6 +141,15 @@ class GrammarConstraint:
         masked = logits.detach().float().cpu().clone()[None]        # [1, vocab]
         apply_token_bitmask_inplace(masked, self._mask)
         return masked[0]
+
+    def first_error(self) -> str | None:
+        """Why the grammar allows no first token, or None: the check before any reading (computing the first mask
+        costs about a millisecond)."""
+        from llguidance.torch import fill_next_token_bitmask
+
+        if not self._matcher.is_error():
+            fill_next_token_bitmask(self._matcher, self._mask, 0)
+        return self._matcher.get_error() if self._matcher.is_error() else None
 
     def advance(self, token: int) -> None:
         self._matcher.consume_token(token)

@@ -30,9 +30,6 @@ TOOL_PROMPT = (
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
 """The documented tool prompt for templates without tools: Qwen2.5's own wording, so the parse is the same."""
 
-_CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
-
-
 def template_carries_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders tools and calls in the Hermes format itself."""
     template = getattr(tokenizer, "chat_template", None)
@@ -88,6 +85,98 @@ class ParsedReply:
     invalid: list[InvalidToolCall] = field(default_factory=list)
 
 
+MAX_SCHEMA_DEPTH = 64
+"""How deeply a tool's parameters may nest (objects in arrays in objects...): far past any real tool, and short of
+the recursion limits of the JSON and schema libraries that read them."""
+
+
+def check_tools(tools: Any) -> list[dict[str, Any]]:
+    """Refuse, before anything is read, tools that no call could satisfy or that the decoder and the parser cannot
+    handle, naming the tool and the fix: each must be an OpenAI function dict with a name; its ``parameters`` a
+    JSON schema of an object (a call's arguments are an object), valid (Draft 2020-12), nested at most
+    MAX_SCHEMA_DEPTH deep. Returns the tools as a list."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    if isinstance(tools, (str, bytes, dict)) or not isinstance(tools, (list, tuple)):
+        raise TypeError(f"tools must be a list of OpenAI function dicts, got {type(tools).__name__}.")
+    names: set[str] = set()
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(function, dict) or not isinstance(name, str) or not name:
+            raise TypeError("A tool must be an OpenAI function dict {'type': 'function', 'function': {'name': ..., "
+                            f"'parameters': {{...}}}}}}, got {tool!r}.")
+        if name in names:
+            raise ValueError(f"Two tools are named {name!r}: a call names its tool, so names must differ.")
+        names.add(name)
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        where = f"The parameters of the tool {name!r}"
+        if not isinstance(parameters, dict):
+            raise TypeError(f"{where} must be a JSON schema dict, got {type(parameters).__name__} {parameters!r}.")
+        if parameters.get("type", "object") != "object":
+            raise ValueError(f"{where} must describe an object (\"type\": \"object\"), got type "
+                             f"{parameters.get('type')!r}: a call's arguments are a JSON object. Wrap the value in "
+                             "an object's property.")
+        if _depth(parameters) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{where} nest more than {MAX_SCHEMA_DEPTH} levels deep: flatten the schema.")
+        try:
+            Draft202012Validator.check_schema(parameters)
+        except SchemaError as error:
+            raise ValueError(f"{where} are not a valid JSON schema: {error.message}.") from None
+    return list(tools)
+
+
+def _depth(schema: Any) -> int:
+    """How deeply dicts and lists nest in a JSON value, counted without recursion (a hostile schema may nest
+    thousands deep)."""
+    deepest, stack = 0, [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_SCHEMA_DEPTH:
+            return depth
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+class ToolSchemas:
+    """The bound tools' argument schemas: ``checked`` passes a parsed call on only when it names a bound tool and
+    its arguments are valid for that tool's parameters; anything else becomes an InvalidToolCall saying why (the
+    grammar enforces the same where one is built; where none is, or a call came as bare JSON, this is the check)."""
+
+    def __init__(self, tools: list[dict[str, Any]]):
+        from jsonschema import Draft202012Validator
+
+        self._validators = {}
+        for tool in check_tools(tools):
+            function = tool["function"]
+            parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+            parameters.setdefault("additionalProperties", False)  # as the grammar: no arguments beyond those declared
+            self._validators[function["name"]] = Draft202012Validator(parameters)
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._validators)
+
+    def checked(self, call: ToolCall | InvalidToolCall) -> ToolCall | InvalidToolCall:
+        if isinstance(call, InvalidToolCall):
+            return call
+        text = json.dumps({"name": call.name, "arguments": call.arguments})
+        validator = self._validators.get(call.name)
+        if validator is None:
+            bound = ", ".join(sorted(self._validators)) or "none"
+            return InvalidToolCall(text, f"no bound tool is named {call.name!r} (bound: {bound})", call.name, call.id)
+        errors = sorted(validator.iter_errors(call.arguments), key=lambda e: [str(p) for p in e.absolute_path])
+        if errors:
+            reasons = "; ".join(f"{'/'.join(map(str, e.absolute_path)) or 'arguments'}: {e.message}"
+                                for e in errors[:5])
+            return InvalidToolCall(text, f"the arguments do not match the parameters of {call.name!r}: {reasons}",
+                                   call.name, call.id)
+        return call
+
+
 def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
@@ -110,22 +199,17 @@ def parse_call(body: str) -> ToolCall | InvalidToolCall:
     return ToolCall(value["name"], arguments)
 
 
-def parse_reply(text: str) -> ParsedReply:
-    """A whole answer split into its text and its tool calls; a block left open (cut by max_tokens) is invalid."""
+def parse_reply(text: str, schemas: ToolSchemas | None = None) -> ParsedReply:
+    """A whole answer split into its text and its tool calls (each checked against ``schemas`` when given); a block
+    left open (cut by max_tokens) is invalid."""
+    stream = CallStream()
     reply = ParsedReply("")
-    pieces, last = [], 0
-    for match in _CALL.finditer(text):
-        pieces.append(text[last:match.start()])
-        _add(reply, parse_call(match.group(1)))
-        last = match.end()
-    rest = text[last:]
-    if CALL_OPEN in rest:
-        cut = rest.index(CALL_OPEN)
-        pieces.append(rest[:cut])
-        reply.invalid.append(InvalidToolCall(rest[cut + len(CALL_OPEN):].strip(),
-                                             f"the call was not closed with {CALL_CLOSE} (cut by max_tokens?)"))
-    else:
-        pieces.append(rest)
+    pieces: list[str] = []
+    for piece in stream.feed(text) + stream.close():
+        if isinstance(piece, str):
+            pieces.append(piece)
+        else:
+            _add(reply, schemas.checked(piece) if schemas is not None else piece)
     reply.content = "".join(pieces).strip()
     return reply
 
@@ -137,25 +221,34 @@ def _add(reply: ParsedReply, call: ToolCall | InvalidToolCall) -> None:
         reply.invalid.append(call)
 
 
+_CALL_TOKENS = re.compile(r'\\.|"|' + re.escape(CALL_CLOSE), re.S)
+"""What decides where a call's JSON ends: string quotes, escapes inside strings, and the closing tag."""
+
+
 class CallStream:
     """Splits streamed text deltas into text and whole tool calls as they complete: ``feed`` returns what can be
-    passed on now (text that cannot be the start of a tag, then each call once its closing tag arrives)."""
+    passed on now (text that cannot be the start of a tag, then each call once its closing tag arrives).
+
+    A call ends at the first closing tag outside a JSON string: the tag's text inside an argument (a document
+    quoting a call) stays part of the argument. Inside a call each delta is scanned once, with only the few
+    characters before it that could still begin a token, and kept as a list of pieces: a call of megabytes
+    streamed a few characters at a time costs linear time."""
 
     def __init__(self) -> None:
-        self._buffer = ""
+        self._buffer = ""          # outside a call: text not passed on yet
         self._in_call = False
+        self._body: list[str] = []  # in a call: the body scanned so far
+        self._tail = ""            # in a call: the end not scanned yet (a token may still be growing there)
+        self._in_string = False    # in a call: whether the body so far ends inside a JSON string
 
     def feed(self, delta: str) -> list[str | ToolCall | InvalidToolCall]:
-        self._buffer += delta
         out: list[str | ToolCall | InvalidToolCall] = []
-        while True:
+        if self._in_call:
+            delta = self._call_feed(delta, out)
             if self._in_call:
-                end = self._buffer.find(CALL_CLOSE)
-                if end < 0:
-                    return out
-                out.append(parse_call(self._buffer[:end]))
-                self._buffer, self._in_call = self._buffer[end + len(CALL_CLOSE):].lstrip("\n"), False
-                continue
+                return out
+        self._buffer += delta
+        while True:
             start = self._buffer.find(CALL_OPEN)
             if start < 0:
                 keep = _partial_tag(self._buffer)
@@ -165,13 +258,39 @@ class CallStream:
                 return out
             if start:
                 out.append(self._buffer[:start])
-            self._buffer, self._in_call = self._buffer[start + len(CALL_OPEN):], True
+            rest, self._buffer = self._buffer[start + len(CALL_OPEN):], ""
+            self._in_call, self._body, self._tail, self._in_string = True, [], "", False
+            rest = self._call_feed(rest, out)
+            if self._in_call:
+                return out
+            self._buffer = rest
+
+    def _call_feed(self, delta: str, out: list[str | ToolCall | InvalidToolCall]) -> str:
+        """Scan more of a call; once its closing tag arrives outside a string, the call goes to ``out`` and what
+        followed the tag is returned (else "")."""
+        text = self._tail + delta
+        scanned = 0
+        for match in _CALL_TOKENS.finditer(text):  # every match is a whole token; a partial one is not matched
+            if match.group() == CALL_CLOSE and not self._in_string:
+                self._body.append(text[:match.start()])
+                out.append(parse_call("".join(self._body)))
+                self._in_call, self._body, self._tail = False, [], ""
+                return text[match.end():].lstrip("\n")
+            if match.group() == '"':
+                self._in_string = not self._in_string
+            scanned = match.end()
+        keep = max(scanned, len(text) - len(CALL_CLOSE) + 1)  # the end may begin a tag or an escape: kept
+        self._body.append(text[:keep])
+        self._tail = text[keep:]
+        return ""
 
     def close(self) -> list[str | ToolCall | InvalidToolCall]:
         """What is left at the end: held-back text, or a call that never closed (invalid)."""
-        rest, self._buffer = self._buffer, ""
         if self._in_call:
+            rest = "".join(self._body) + self._tail
+            self._in_call, self._body, self._tail = False, [], ""
             return [InvalidToolCall(rest.strip(), f"the call was not closed with {CALL_CLOSE} (cut by max_tokens?)")]
+        rest, self._buffer = self._buffer, ""
         return [rest] if rest else []
 
 
@@ -187,31 +306,36 @@ class ReplyStream:
     """CallStream for a reply of a model that has tools, which also accepts calls written as bare JSON: some
     models (Qwen2.5-Coder among them) answer ``{"name": ..., "arguments": ...}``, fenced or not, without the tags.
     A reply that starts like JSON is held until it ends; if it is nothing but calls of the given tools, they are
-    calls, otherwise it is passed on as text (and any tagged calls in it still parsed)."""
+    calls, otherwise it is passed on as text (and any tagged calls in it still parsed). Every call is checked
+    against the tools' schemas (ToolSchemas.checked): one that is not valid for its tool comes out invalid."""
 
-    def __init__(self, tool_names: set[str]):
-        self._names = tool_names
+    def __init__(self, schemas: ToolSchemas):
+        self._schemas = schemas
+        self._names = schemas.names
         self._tagged = CallStream()
         self._held: str | None = ""  # None once the reply can no longer be bare JSON
 
     def feed(self, delta: str) -> list[str | ToolCall | InvalidToolCall]:
         if self._held is None:
-            return self._tagged.feed(delta)
+            return self._checked(self._tagged.feed(delta))
         self._held += delta
         start = self._held.lstrip()
         if not start or ((start.startswith("{") or "```".startswith(start[:3])) and self._names):
             return []
         held, self._held = self._held, None
-        return self._tagged.feed(held)
+        return self._checked(self._tagged.feed(held))
 
     def close(self) -> list[str | ToolCall | InvalidToolCall]:
         if self._held is not None:
             held, self._held = self._held, None
             calls = bare_calls(held, self._names)
             if calls:
-                return list(calls)
-            return self._tagged.feed(held) + self._tagged.close()
-        return self._tagged.close()
+                return self._checked(list(calls))
+            return self._checked(self._tagged.feed(held) + self._tagged.close())
+        return self._checked(self._tagged.close())
+
+    def _checked(self, pieces: list) -> list[str | ToolCall | InvalidToolCall]:
+        return [piece if isinstance(piece, str) else self._schemas.checked(piece) for piece in pieces]
 
 
 def bare_calls(text: str, names: set[str]) -> list[ToolCall] | None:

@@ -35,7 +35,7 @@ class BM25Index:
     def search(self, query: str, top_k: int) -> list[tuple[int, float]]:
         """(text index, BM25 score) of the ``top_k`` best texts with a positive score, best first. A query whose
         words are all stop words (or absent from every text) ranks nothing: BM25 has no opinion then."""
-        import bm25s  # type: ignore[import-untyped]
+        import bm25s
 
         if self._index is None:
             self._index = bm25s.BM25()

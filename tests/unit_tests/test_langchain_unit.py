@@ -232,3 +232,30 @@ def test_wrong_tool_choices_and_structured_output_methods_fail_when_bound():
         ChatEMLLM().with_structured_output({"type": "object"}, method="xml")
     with pytest.raises(ValueError, match="needs a schema"):
         ChatEMLLM().with_structured_output(None)
+
+
+def test_a_call_that_fails_its_schema_is_an_invalid_tool_call_streamed_or_whole():
+    """The chunks ChatEMLLM streams for a reply, merged by LangChain itself (generate_from_stream, as invoke does):
+    a call whose arguments do not match its tool's parameters never becomes a tool_call; invoke() gives the reason
+    and what the model wrote, and a streamed merge keeps it invalid with the reason in its args."""
+    from langchain_core.language_models.chat_models import generate_from_stream
+
+    from emllm.tools import ToolSchemas
+    from emllm_integrations import langchain as adapter
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    reply = '{"name": "get_weather", "arguments": {"city": 123, "admin": true}}'
+
+    def chunks():
+        replies = adapter._ReplyChunks(ToolSchemas([weather]), whole=False)
+        yield from replies.feed(reply)
+        yield from replies.close()
+
+    streamed = sum((c.message for c in chunks()), start=next(iter(chunks())).message.__class__(content=""))
+    assert streamed.tool_calls == [] and "is not of type 'string'" in streamed.invalid_tool_calls[0]["args"]
+    message = adapter._with_llm_output(generate_from_stream(chunks())).generations[0].message
+    assert message.tool_calls == []
+    [invalid] = message.invalid_tool_calls
+    assert invalid["name"] == "get_weather" and "123 is not of type 'string'" in invalid["error"]
+    assert "'admin' was unexpected" in invalid["error"] and invalid["args"] == reply

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from emllm import EMConfig, EMEngine, Grammar, GrammarError
-from emllm.tools import (CallStream, InvalidToolCall, ReplyStream, ToolCall, bare_calls, parse_reply,
-                         plain_tool_messages)
+from emllm.tools import (CallStream, InvalidToolCall, ReplyStream, ToolCall, ToolSchemas, bare_calls, check_tools,
+                         parse_reply, plain_tool_messages)
 
 from .tiny import TINY, tiny_model
 
@@ -55,11 +55,94 @@ def test_bare_json_calls_are_calls_only_when_they_name_bound_tools():
                           {"add", "today"})) == 2
     assert bare_calls('{"name": "hello", "arguments": {}}', {"add"}) is None  # not a bound tool: text
     assert bare_calls('{"name": "add", "arguments": {}} and more', {"add"}) is None
-    stream = ReplyStream({"add"})
+    stream = ReplyStream(ToolSchemas([ADD]))
     pieces = stream.feed('{"result": ') + stream.feed("3}") + stream.close()
     assert "".join(pieces) == '{"result": 3}'  # JSON that is not a call stays the answer's text
-    stream = ReplyStream({"add"})
+    stream = ReplyStream(ToolSchemas([ADD]))
     assert stream.feed("The sum") == ["The sum"]  # plain text streams at once
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("reply, reason", [
+    ('{"name": "get_weather", "arguments": {"city": 123, "admin": true}}', "city: 123 is not of type 'string'"),
+    ('{"name": "get_weather", "arguments": {"city": "Oslo", "admin": true}}', "Additional properties"),
+    ('{"name": "get_weather", "arguments": {}}', "'city' is a required property"),
+    ('<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>', "no bound tool is named"),
+])
+def test_every_call_passed_on_is_valid_for_its_tool_and_the_rest_say_why(reply, reason):
+    """Issue 57: bare JSON or tagged, a call that names no bound tool or whose arguments do not match the tool's
+    parameters is an invalid call with the reason, never a call."""
+    stream = ReplyStream(ToolSchemas([WEATHER]))
+    pieces = [p for p in stream.feed(reply) + stream.close() if not isinstance(p, str)]
+    assert len(pieces) == 1 and isinstance(pieces[0], InvalidToolCall), pieces
+    assert reason in pieces[0].error
+    good = ReplyStream(ToolSchemas([WEATHER]))
+    calls = good.feed('{"name": "get_weather", "arguments": {"city": "Oslo"}}') + good.close()
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+def test_a_closing_tag_inside_an_argument_stays_in_the_argument():
+    """The tag's text inside a JSON string (a document quoting a call) does not end the call, streamed or whole."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a </tool_call> \\" b"}}\n</tool_call>'
+            " done")
+    whole = parse_reply(text, ToolSchemas([WEATHER]))
+    assert [c.arguments for c in whole.calls] == [{"city": 'a </tool_call> " b'}] and whole.content == "done"
+    stream, pieces = CallStream(), []
+    for i in range(0, len(text), 3):
+        pieces += stream.feed(text[i:i + 3])
+    pieces += stream.close()
+    assert [p.arguments for p in pieces if isinstance(p, ToolCall)] == [{"city": 'a </tool_call> " b'}]
+
+
+def test_streamed_arguments_are_parsed_in_linear_time():
+    """Megabytes of arguments streamed a few characters at a time: each delta is scanned once (issue 57 measured
+    520K characters in 60 s before). Counted in scanned characters, not seconds."""
+    import emllm.tools as tools
+
+    scanned = []
+    real = tools._CALL_TOKENS
+
+    class Counting:
+        def finditer(self, text, *args):
+            scanned.append(len(text))
+            return real.finditer(text, *args)
+
+    body = json.dumps({"name": "get_weather", "arguments": {"city": 'x"y\\' * 50_000}})
+    text = f"<tool_call>\n{body}\n</tool_call>"
+    stream, pieces = CallStream(), []
+    try:
+        tools._CALL_TOKENS = Counting()
+        for i in range(0, len(text), 4):
+            pieces += stream.feed(text[i:i + 4])
+    finally:
+        tools._CALL_TOKENS = real
+    assert [len(p.arguments["city"]) for p in pieces if isinstance(p, ToolCall)] == [200_000]
+    assert sum(scanned) < 5 * len(text)  # each character scanned a bounded number of times
+
+
+@pytest.mark.parametrize("parameters, error, words", [
+    ({"type": "array"}, ValueError, "must describe an object"),
+    ("x", TypeError, "must be a JSON schema dict"),
+    ({"type": "object", "properties": {"a": {"type": "strin"}}}, ValueError, "not a valid JSON schema"),
+])
+def test_tools_no_call_could_satisfy_are_refused_with_the_reason(parameters, error, words):
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    with pytest.raises(error, match=words):
+        check_tools([tool])
+    with pytest.raises(error, match=words):
+        Grammar.tool_calls([tool], "<tool_call>", "</tool_call>", required=False)
+
+
+def test_a_schema_nested_thousands_deep_is_refused_without_recursion():
+    deep: dict = {"type": "string"}
+    for _ in range(3000):
+        deep = {"type": "object", "properties": {"x": deep}}
+    with pytest.raises(ValueError, match="nest more than 64 levels"):
+        check_tools([{"type": "function", "function": {"name": "f", "parameters": deep}}])
 
 
 def test_templates_without_tools_get_the_documented_tool_prompt():
