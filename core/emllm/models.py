@@ -39,6 +39,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -71,6 +72,8 @@ __all__ = [
     "locate_parts",
     "lookup_embedded",
     "model_fingerprint",
+    "tokenizer_fingerprint",
+    "weights_fingerprint",
     "prepare_loaded",
     "resolve_model_dir",
 ]
@@ -806,6 +809,48 @@ def _fingerprint_dir(model_dir: pathlib.Path) -> str:
     for f in _weight_files(model_dir):
         h.update(f"\0{f.name}\0{f.stat().st_size}".encode())
     return h.hexdigest()[:16]
+
+
+_CONTENT_DIGESTS: dict[tuple[str, int, int], str] = {}
+_CONTENT_LOCK = threading.Lock()
+
+
+def _file_digest(path: pathlib.Path) -> str:
+    """blake2b of a weight file's bytes, once per process for each (path, size, modification time)."""
+    info = path.stat()
+    key = (str(path.resolve()), info.st_size, info.st_mtime_ns)
+    with _CONTENT_LOCK:
+        if key not in _CONTENT_DIGESTS:
+            with open(path, "rb") as handle:
+                _CONTENT_DIGESTS[key] = hashlib.file_digest(handle, "blake2b").hexdigest()
+        return _CONTENT_DIGESTS[key]
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """16 hex chars of a hash of the weights' content: the bytes of the weight files of the directory the model was
+    loaded from (each file hashed once per process: about 1 s a GB), or, for a model built in memory, of its
+    tensors. Two models with the same architecture and file sizes (a fine-tune and its base) differ here."""
+    h = hashlib.sha256()
+    source = getattr(model, "name_or_path", None)
+    files = _weight_files(pathlib.Path(source)) if source and pathlib.Path(source).is_dir() else []
+    if files:
+        for f in files:
+            h.update(f"\0{f.name}\0{_file_digest(f)}".encode())
+    else:
+        for name, tensor in model.state_dict().items():
+            h.update(f"\0{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
+            h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """16 hex chars of a hash of what a tokenizer turns text into: its vocabulary (each string's id), its added
+    tokens and their roles, and its chat template. Two ids swapped, or another template, give another print."""
+    added = {str(i): str(t) for i, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())}
+    described = {"vocab": sorted(tokenizer.get_vocab().items()), "added": added,
+                 "special": {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())},
+                 "template": getattr(tokenizer, "chat_template", None)}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def model_fingerprint(model_dir_or_model: str | os.PathLike | PreTrainedModel) -> str:

@@ -60,6 +60,7 @@ class EngineLike(Protocol):
     """What saving and loading use of an EMEngine (named structurally, so this module does not import the engine)."""
 
     model: PreTrainedModel
+    tokenizer: Any
     model_name: str
     shape: Any
     config: EMConfig
@@ -277,6 +278,8 @@ def _manifest(memory: EpisodicMemory, engine: EngineLike, files: dict, kv_pages:
         "format_version": FORMAT_VERSION,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": {"name": engine.model_name, "fingerprint": models.model_fingerprint(engine.model),
+                  "weights": models.weights_fingerprint(engine.model),
+                  "tokenizer": models.tokenizer_fingerprint(engine.tokenizer),
                   "num_layers": shape.num_layers, "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
                   "head_dim": shape.head_dim, "dtype": _spec(shape.dtype, [])["dtype"],
                   "max_positions": shape.max_positions},
@@ -515,6 +518,16 @@ def _check_model(manifest: dict[str, Any], engine: EngineLike, target: Path) -> 
             f"The memory at {target} was saved with model {saved.get('name')!r} (fingerprint "
             f"{saved.get('fingerprint')}), but this engine runs {engine.model_name!r} (fingerprint {fingerprint}). "
             "A memory holds one model's keys and values; load it with the model that made it.")
+    # Saves from before these two were recorded are checked by architecture and file sizes alone.
+    for part, print_of, what in (("weights", lambda: models.weights_fingerprint(engine.model), "weights' content"),
+                                 ("tokenizer", lambda: models.tokenizer_fingerprint(engine.tokenizer),
+                                  "tokenizer (vocabulary, added tokens, chat template)")):
+        if part in saved and saved[part] != print_of():
+            raise MemoryFileError(
+                f"The memory at {target} was saved with a model whose {what} differ from this engine's "
+                f"({engine.model_name!r}), though its architecture and file sizes match (a fine-tune and its base, "
+                "or another tokenizer): its keys, values and token ids belong to that model. Load it with the model "
+                "and tokenizer that made it.")
     logits = manifest["memory"].get("last_logits")
     head = engine.model.get_output_embeddings()
     if isinstance(logits, dict) and head is not None and logits.get("shape") != [head.weight.shape[0]]:

@@ -238,3 +238,27 @@ def test_cuda_without_cuda_is_refused_before_loading():
         models.device_or_default("cuda")
     with pytest.raises(ValueError, match="is not a device torch knows"):
         models.device_or_default("gpu0")
+
+
+def test_weights_fingerprint_reads_the_content_that_sizes_miss(tmp_path):
+    """Issue 57: a fine-tune and its base share config.json and file sizes, so model_fingerprint (cheap, no weight
+    read) is the same; weights_fingerprint hashes the bytes and tells them apart, loaded or not."""
+    from transformers import LlamaForCausalLM
+
+    from emllm.models import weights_fingerprint
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(_tiny_llama_config()).save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    LlamaForCausalLM(_tiny_llama_config()).save_pretrained(tmp_path / "tuned")
+    base = LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    tuned = LlamaForCausalLM.from_pretrained(tmp_path / "tuned")
+    assert model_fingerprint(tmp_path / "base") == model_fingerprint(tmp_path / "tuned")  # what sizes can tell
+    assert weights_fingerprint(base) != weights_fingerprint(tuned)
+    assert weights_fingerprint(base) == weights_fingerprint(LlamaForCausalLM.from_pretrained(tmp_path / "base"))
+    torch.manual_seed(0)
+    in_memory = LlamaForCausalLM(_tiny_llama_config())
+    assert weights_fingerprint(in_memory) == weights_fingerprint(in_memory)
+    with torch.no_grad():
+        next(in_memory.parameters())[0, 0] += 1.0
+    assert weights_fingerprint(in_memory) != weights_fingerprint(base)

@@ -634,3 +634,27 @@ def test_the_engine_chooses_the_event_embedding_not_the_file(saved, engine, tmp_
         assert memory.config.event_embedding == "mpnet"
     finally:
         memory.close()
+
+
+def test_a_save_refuses_other_weights_of_the_same_shape_and_another_tokenizer(saved, engine):
+    """Issue 57: the same architecture and sizes with other weights (a fine-tune into its base), or the same
+    weights with a tokenizer that swaps two ids, are refused by name; the engine that saved it loads it."""
+    from emllm import EMEngine
+
+    other_weights = tiny_engine(seed=1)
+    with pytest.raises(MemoryFileError, match="weights' content differ"):
+        load_memory(saved, other_weights)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = tiny_tokenizer().get_vocab()
+    order = {f"t{i}": i for i in range(VOCAB)}
+    order["t5"], order["t6"] = 6, 5
+    raw = Tokenizer(models.WordLevel(order, unk_token="t2"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    swapped = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="t1", unk_token="t2")
+    assert swapped.get_vocab() != vocab
+    other_tokenizer = EMEngine(engine.model, swapped, engine.config, model_name="tiny")
+    with pytest.raises(MemoryFileError, match="tokenizer .vocabulary, added tokens, chat template. differ"):
+        load_memory(saved, other_tokenizer)
+    load_memory(saved, engine).close()
