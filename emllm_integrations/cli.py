@@ -86,6 +86,10 @@ def chat(args: argparse.Namespace) -> int:
 
     check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads and the document is read
     EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))
+    if sys.stdin is None or sys.stdin.closed:  # questions come from stdin: say so before the model loads
+        print("emllm chat: standard input is closed, and the questions are read from it: run it in a terminal, or "
+              "pipe the questions in (one per line).", file=sys.stderr)
+        return 2
     path = args.file
     if not os.path.isfile(path):  # a device such as /dev/zero would be read without end
         print(f"emllm chat: {path} is not a regular file; give the path of a UTF-8 text file.", file=sys.stderr)

