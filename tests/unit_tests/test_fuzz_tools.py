@@ -35,7 +35,8 @@ SCHEMAS = st.recursive(SCALARS, lambda inner: st.one_of(
     st.builds(lambda props, req: {"type": "object", "properties": props,
                                   "required": sorted(set(req) & set(props))},
               st.dictionaries(NAMES, inner, max_size=3), st.lists(NAMES, max_size=2))), max_leaves=6)
-OBJECTS = st.builds(lambda props, req: {"type": "object", "properties": props, "required": sorted(set(req) & set(props))},
+OBJECTS = st.builds(lambda props, req: {"type": "object", "properties": props,
+                                        "required": sorted(set(req) & set(props))},
                     st.dictionaries(NAMES, SCHEMAS, max_size=4), st.lists(NAMES, max_size=3))
 BAD_PARAMETERS = st.one_of(SCALARS, st.just({"type": "array"}), st.text(max_size=5), st.integers(),
                            st.just({"type": "object", "properties": {"a": {"type": "strin"}}}),
