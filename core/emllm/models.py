@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -913,6 +914,7 @@ def _fingerprint_dir(model_dir: pathlib.Path) -> str:
 
 
 _CONTENT_DIGESTS: dict[tuple[str, int, int], str] = {}
+_MODEL_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # in-memory models: (versions, digest)
 _CONTENT_LOCK = threading.Lock()
 
 
@@ -937,11 +939,16 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     if files:
         for f in files:
             h.update(f"\0{f.name}\0{_file_digest(f)}".encode())
-    else:
-        for name, tensor in model.state_dict().items():
-            h.update(f"\0{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
-            h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+        return h.hexdigest()[:16]
+    versions = tuple(p._version for p in model.parameters())  # bumped by every in-place change of a weight
+    cached = _MODEL_DIGESTS.get(model)
+    if cached is not None and cached[0] == versions:  # every save and load asks: hash the tensors once
+        return cached[1]
+    for name, tensor in model.state_dict().items():
+        h.update(f"\0{name}\0{tuple(tensor.shape)}\0{tensor.dtype}\0".encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    _MODEL_DIGESTS[model] = (versions, h.hexdigest()[:16])
+    return _MODEL_DIGESTS[model][1]
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
