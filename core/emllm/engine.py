@@ -248,6 +248,32 @@ class EMEngine:
             # what its queries attended to, must keep ranking events for the answer's tokens.
             return 0
         self._check_budget(memory, len(tokens))
+        if not self._storing_can_fail(memory, len(tokens)):
+            return self._read_tokens(memory, tokens, progress, question_start)
+        # Storing what is read can fail part-way (a disk budget met by more events than foreseen, a full disk): the
+        # read goes into a fork, adopted only once it has succeeded, so a failure leaves this memory as it was.
+        trial = memory.fork()
+        trial.attribution = memory.attribution
+        try:
+            read = self._read_tokens(trial, tokens, progress, question_start)
+        except BaseException:
+            trial.close("a trial read failed")
+            raise
+        memory.adopt(trial)
+        return read
+
+    def _storing_can_fail(self, memory: EpisodicMemory, n: int) -> bool:
+        """Whether reading ``n`` more tokens seals a page that may be written to disk (RAM has a budget). Reads that
+        do not, the usual follow-up question, are made in place: a trial fork copies the window and the index."""
+        if memory.config.attention != "episodic" or not memory.store.spills_to_disk:
+            return False
+        page = memory.store.page_tokens
+        stored_after = memory.total_tokens + n - memory.config.max_position()
+        return stored_after // page > memory.store.num_tokens // page
+
+    def _read_tokens(self, memory: EpisodicMemory, tokens: torch.Tensor, progress: bool,
+                     question_start: int | None) -> int:
+        """read()'s forwards, chunk by chunk, the question's in answering forwards."""
         chunk = memory.config.chunk_size
         question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
                                                                       len(tokens))
@@ -301,9 +327,13 @@ class EMEngine:
         if memory.config.attention == "episodic" and memory.config.disk_budget_mb is not None:
             # At most max_position() tokens stay in the window, so at least the rest is evicted into sealed pages;
             # those beyond the RAM (and device) budgets must go to disk.
+            # The event index grows with every event and takes RAM from the pages: at least one event per
+            # max_block_size tokens evicted by this read is indexed (a lower bound; surprise cuts more).
             evicted = memory.total_tokens + n - memory.config.max_position()
             sealed = max(0, evicted) // memory.store.page_tokens
-            memory.store.check_disk_budget(memory.store.pages_beyond_memory(sealed))
+            events = max(0, evicted - memory.store.num_tokens) // memory.config.max_block_size
+            held = memory.index_bytes(adding=events)
+            memory.store.check_disk_budget(memory.store.pages_beyond_memory(sealed, held))
 
     def forward(self, memory: EpisodicMemory, ids: torch.Tensor, retrieve: bool,
                  answering: bool = False) -> torch.Tensor:

@@ -58,3 +58,11 @@ class EventTexts:
     def nbytes(self) -> int:
         """Bytes the event embeddings hold (counted against the memory's RAM budget)."""
         return self.embeddings.numel() * self.embeddings.element_size()
+
+    def nbytes_after(self, adding: int) -> int:
+        """nbytes once ``adding`` more events are embedded: what a read's budget check counts before reading. The
+        width is the embeddings' own, or the embedder's (asked with no text) before the first event."""
+        if self.embedder is None or not adding:
+            return self.nbytes
+        width = self.embeddings.shape[1] if self.embeddings.numel() else self.embedder([]).shape[-1]
+        return (self.embeddings.shape[0] + adding) * width * torch.finfo(torch.float32).bits // 8

@@ -194,19 +194,23 @@ class EpisodicMemory:
         return end
 
     def count_index_in_budgets(self, adding: int = 0) -> bool:
-        """Tell the store what the event index holds on each device (representatives per layer, event-text
-        embeddings in RAM) once ``adding`` more events are indexed, so that ram_budget_mb and device_budget_mb
-        bound the memory, not only its KV pages. Returns whether a layer's index buffer will grow."""
-        held: dict[torch.device, int] = {}
-        grows = False
-        for layer in self.layers:
-            after = layer.index.nbytes_after(adding)
-            grows = grows or after > layer.index.nbytes
-            held[layer.device] = held.get(layer.device, 0) + after
-        cpu = torch.device("cpu")
-        held[cpu] = held.get(cpu, 0) + self.texts.nbytes
-        self.store.hold(held)
+        """Tell the store what the event index holds on each device once ``adding`` more events are indexed
+        (index_bytes), so that ram_budget_mb and device_budget_mb bound the memory, not only its KV pages. Returns
+        whether a layer's index buffer will grow."""
+        grows = any(layer.index.nbytes_after(adding) > layer.index.nbytes for layer in self.layers)
+        self.store.hold(self.index_bytes(adding, texts_adding=0))
         return grows
+
+    def index_bytes(self, adding: int, texts_adding: int | None = None) -> dict[torch.device, int]:
+        """Bytes the event index holds on each device once ``adding`` more events are indexed: the representatives
+        of every layer (on its device) and the event-text embeddings (in RAM; ``texts_adding`` more of them, by
+        default as many). Eviction indexes an event before its text is embedded, hence the two counts."""
+        held: dict[torch.device, int] = {}
+        for layer in self.layers:
+            held[layer.device] = held.get(layer.device, 0) + layer.index.nbytes_after(adding)
+        cpu = torch.device("cpu")
+        held[cpu] = held.get(cpu, 0) + self.texts.nbytes_after(adding if texts_adding is None else texts_adding)
+        return held
 
     def segment(self, region: int) -> torch.Tensor:
         """Event starts (window-relative, in (0, region)) for the first `region` window tokens."""
@@ -391,8 +395,24 @@ class EpisodicMemory:
             self._boundaries = (self.event_starts, self.event_starts + self.config.n_init)
         return self._boundaries[1]
 
+    def adopt(self, trial: EpisodicMemory) -> None:
+        """Become ``trial``, a fork of this memory that has read on from it (EMEngine.read reads into a fork where
+        storing can fail part-way, and keeps the result only on success): its state replaces this memory's, whose
+        own copies are freed (the pages both hold stay), and ``trial`` is left closed, owning nothing."""
+        if trial.closed or self.closed:
+            raise RuntimeError("adopt() takes an open fork into an open memory.")
+        replaced = self.store
+        attribution = self.attribution
+        vars(self).update(vars(trial))
+        self.attribution = attribution  # a generation's running attribution stays with the memory it was set on
+        replaced.close()
+        trial.layers, trial.closed, trial.closed_reason = [], True, "its state was adopted by the memory it forked"
+
     def close(self, reason: str = "") -> None:
-        """Free the memory; ``reason`` (e.g. a forward pass that failed part-way) is shown to later callers."""
+        """Free the memory; ``reason`` (e.g. a forward pass that failed part-way) is shown to later callers. Closing
+        a closed memory does nothing (an adopted fork shares its store with the memory that adopted it)."""
+        if self.closed:
+            return
         self.store.close()
         self.layers = []
         self.closed = True

@@ -28,6 +28,7 @@ import copy
 import ctypes
 import errno
 import functools
+import math
 import os
 import re
 import shutil
@@ -284,7 +285,7 @@ class PageStore:
         everything a memory keeps in RAM, not only its KV. At a million tokens of SmolLM2 the representatives alone
         are ~1.7 GB. Where the index outgrows a budget, every page goes down and a warning names the fix."""
         for level, tier in enumerate(self.tiers):
-            tier.held_bytes = sum(n for device, n in held.items() if _same_device(device, tier.device))
+            tier.held_bytes = _bytes_on(held, tier.device)
             if tier.held_bytes > tier.budget_bytes and not tier.index_warned:
                 tier.index_warned = True
                 name = "ram_budget_mb" if tier.device.type == "cpu" else "device_budget_mb"
@@ -363,12 +364,21 @@ class PageStore:
                 f"disk_budget_mb={self.disk.budget_bytes / 2**20:g} for this memory. Raise disk_budget_mb or "
                 "ram_budget_mb, or read less.")
 
-    def pages_beyond_memory(self, sealed_pages: int) -> int:
-        """How many of ``sealed_pages`` at least cannot fit in the device and RAM budgets, so must be on disk: the
-        event index held now is counted, its growth while reading is not (a lower bound, so nothing is refused
-        that could fit)."""
-        fit = sum(max(0.0, t.budget_bytes - t.held_bytes) for t in self.tiers) / self.page_bytes
+    def pages_beyond_memory(self, sealed_pages: int, held: dict[torch.device, int] | None = None) -> int:
+        """How many of ``sealed_pages`` at least cannot fit in the device and RAM budgets, so must be on disk, while
+        the event index holds ``held`` bytes on each device (default: what it holds now). A lower bound, so nothing
+        is refused that could fit."""
+        room = 0.0
+        for tier in self.tiers:
+            index = tier.held_bytes if held is None else _bytes_on(held, tier.device)
+            room += max(0.0, tier.budget_bytes - index)
+        fit = room / self.page_bytes
         return 0 if fit == float("inf") else max(0, sealed_pages - int(fit))
+
+    @property
+    def spills_to_disk(self) -> bool:
+        """Whether pages can reach the disk (RAM has a budget): only then can storing what is read fail."""
+        return math.isfinite(self.tiers[-1].budget_bytes)
 
     def _read_disk(self, page_id: int, index: tuple[int, ...] = (), pinned: bool = False) -> torch.Tensor:
         """page[index] from the page's file: a leading index of a C-ordered page is one contiguous byte range.
@@ -470,6 +480,11 @@ class PageStore:
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("This episodic memory was closed; start a new one.")
+
+
+def _bytes_on(held: dict[torch.device, int], device: torch.device) -> int:
+    """The bytes of ``held`` (by device) that lie on ``device``."""
+    return sum(n for where, n in held.items() if _same_device(where, device))
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

@@ -455,25 +455,66 @@ def test_a_read_that_cannot_fit_ram_and_disk_is_refused_before_it_starts(engine,
     assert memory.token_ids == ids[:60]
 
 
-def test_a_disk_budget_overrun_mid_read_closes_the_memory_and_writes_nothing_over_budget(engine, tmp_path):
-    """The need is only a lower bound before reading (events are cut as it goes): the store refuses the page
-    that would cross the budget before writing it, and the half-updated memory is closed, not reused."""
+def test_a_disk_budget_overrun_mid_read_leaves_the_memory_as_it_was(engine, tmp_path):
+    """The need is only a lower bound before reading (events are cut as it goes): the store refuses the page that
+    would cross the budget before writing it, and the memory is left exactly as before the call (issue 57, item 6:
+    it was closed, with everything read before), its trial's files removed."""
     page_mb = 2 * 2 * TINY["page_tokens"] * 2 * 8 * 4 / 2**20
-    ids = token_ids(200)  # lower bound (200 - 72) // 8 = 16 sealed pages, all on disk with no RAM
-    config = engine.config.replace(ram_budget_mb=0, disk_budget_mb=16 * page_mb, offload_dir=str(tmp_path))
+    ids = token_ids(300)  # lower bound (300 - 72) // 8 = 28 sealed pages, all on disk with no RAM
+    config = engine.config.replace(ram_budget_mb=0, disk_budget_mb=28 * page_mb, offload_dir=str(tmp_path))
     memory = engine.new_memory(config)
+    engine.read(memory, ids[:150])
+    files_before = sorted(disk_files(tmp_path))
+    untouched = memory.fork()
     with pytest.raises(StorageFullError, match="disk_budget_mb"):
-        engine.read(memory, ids)
-    assert 0 < memory.total_tokens < 200 and memory.closed
-    assert len(disk_files(tmp_path)) <= 16
-    with pytest.raises(RuntimeError, match="closed .*failed part-way with StorageFullError"):
-        engine.read(memory, ids[memory.total_tokens:])
-    with pytest.raises(RuntimeError, match="failed part-way"):
-        memory.fork()
+        engine.read(memory, ids[150:])
+    assert not memory.closed and memory.token_ids == ids[:150]
+    check_memory(memory, ids[:150])
+    assert sorted(disk_files(tmp_path)) == files_before  # what the trial wrote went with it
+    question = token_ids(20, seed=3)
+    assert (engine.generate(ids[:150] + question, memory=memory, max_new_tokens=8).token_ids
+            == engine.generate(ids[:150] + question, memory=untouched, max_new_tokens=8).token_ids)
     fresh = engine.new_memory(config.replace(disk_budget_mb=64 * page_mb))
     engine.read(fresh, ids)  # a later valid call works
     check_memory(fresh, ids)
     assert fresh.store.tier_tokens()["disk"] > 16 * TINY["page_tokens"]
+
+
+def test_the_read_budget_check_counts_the_event_index_it_will_grow(engine, tmp_path):
+    """Issue 57, item 6: the index (representatives, event-text embeddings) takes RAM from the pages as a read cuts
+    events. A read whose pages alone fit RAM and disk, but not beside the index it grows, is refused before it
+    starts."""
+    config = engine.config.replace(offload_dir=str(tmp_path))
+    probe = engine.new_memory(config)
+    page_bytes = probe.store.page_bytes
+    ids = token_ids(400)
+    evicted = len(ids) - config.max_position()
+    sealed, events = evicted // config.page_tokens, evicted // config.max_block_size
+    index = probe.index_bytes(adding=events)[torch.device("cpu")]
+    assert index >= 2 * page_bytes  # the index of this read is worth at least two pages
+    tight = config.replace(ram_budget_mb=(index + 2 * page_bytes) / 2**20,
+                           disk_budget_mb=(sealed - 2) * page_bytes / 2**20)  # pages alone: 2 in RAM, the rest on disk
+    memory = engine.new_memory(tight)
+    with pytest.raises(StorageFullError, match="disk_budget_mb"):
+        engine.read(memory, ids)
+    assert memory.token_ids == [] and not memory.closed and disk_files(tmp_path) == []
+
+
+def test_a_read_that_may_spill_to_disk_reads_as_one_that_cannot(engine, tmp_path):
+    """Reads that can fail storing go into a trial fork and are adopted: the memory then holds what an unbudgeted
+    read gives, and answers the same."""
+    ids, question = token_ids(300), token_ids(20, seed=4)
+    spilled = engine.new_memory(engine.config.replace(ram_budget_mb=0.001, offload_dir=str(tmp_path)))
+    plain = engine.new_memory(engine.config)
+    for part in (ids[:100], ids[100:]):
+        engine.read(spilled, part)
+        engine.read(plain, part)
+    check_memory(spilled, ids)
+    assert spilled.store.tier_tokens()["disk"] > 0 and disk_files(tmp_path)
+    assert torch.equal(spilled.event_sizes, plain.event_sizes)
+    assert (engine.generate(ids + question, memory=spilled, max_new_tokens=8).token_ids
+            == engine.generate(ids + question, memory=plain, max_new_tokens=8).token_ids)
+    assert len(engine.open_memories()) >= 2 and all(m.layers for m in engine.open_memories())
 
 
 def test_page_store_refuses_a_page_over_the_disk_budget_before_writing(tmp_path):
