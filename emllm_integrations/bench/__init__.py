@@ -38,14 +38,14 @@ from .measure import peak_rss_mb, read_each
 from .probes import Probe, Probes, multidoc_probes, needle_probes
 from .report import accuracy_grid, markdown, summary, wilson_interval, write_report
 from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS,
-                       PROBE_TASKS, RAG_METHODS, ROW_FIELDS, RULER_TASKS, SETTINGS_FILE, TASKS, BenchRequirementError,
-                       BenchSettings, check_out_dir, check_requirements, config_overrides, finished_tasks, load_done,
-                       settings_record)
+                       PROBE_TASKS, RAG_METHODS, REREAD_METHODS, ROW_FIELDS, RULER_TASKS, SETTINGS_FILE, TASKS,
+                       BenchRequirementError, BenchSettings, check_out_dir, check_requirements, config_overrides,
+                       finished_tasks, load_done, settings_record)
 
 __all__ = ["run_bench", "run_cell", "TaskItem", "document_seed", "task_items", "peak_rss_mb", "read_each", "Probe",
            "Probes", "multidoc_probes", "needle_probes", "accuracy_grid", "markdown", "summary", "wilson_interval",
            "write_report",
            "DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "DEFAULT_METHODS", "DEFAULT_QUESTIONS", "PROBE_TASKS", "RULER_TASKS",
-           "FULL_MAX_TOKENS", "RAG_METHODS", "ROW_FIELDS",
+           "FULL_MAX_TOKENS", "RAG_METHODS", "REREAD_METHODS", "ROW_FIELDS",
            "SETTINGS_FILE", "TASKS", "BenchRequirementError", "BenchSettings", "check_out_dir", "check_requirements",
            "config_overrides", "finished_tasks", "load_done", "settings_record"]

@@ -23,10 +23,12 @@ from tqdm.auto import tqdm
 from ..prompts import chat_context, chat_frame, format_context
 from .items import TaskItem, task_items
 from .measure import peak_rss_mb, read_each
+from .reread import answer_as_text
 from .ruler import score
 from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS,
-                       LIST_ANSWER_TOKENS, RAG_METHODS, ROW_FIELDS, RULER_TASKS, TASKS, BenchSettings, check_depths,
-                       check_lengths, check_methods, check_names, check_requirements, config_overrides, finished_tasks)
+                       LIST_ANSWER_TOKENS, RAG_METHODS, REREAD_METHODS, ROW_FIELDS, RULER_TASKS, TASKS, BenchSettings,
+                       check_depths, check_lengths, check_methods, check_names, check_requirements, config_overrides,
+                       finished_tasks)
 from .tasks import probe_suffix
 
 _MESSAGE = "@@emllm-bench "  # marks the child's result lines on stdout (libraries may print there too)
@@ -147,7 +149,8 @@ def run_cell(method: str, length: int, settings: BenchSettings, emit: Callable[[
         engine = EMEngine.from_pretrained(settings.model, preset="full", dtype=settings.dtype, progress=False)
     else:
         fields = {} if method == "full" else config_overrides(settings.engine_fields)
-        engine = EMEngine.from_pretrained(settings.model, preset=method, dtype=settings.dtype, progress=False,
+        engine = EMEngine.from_pretrained(settings.model, preset=REREAD_METHODS.get(method, method),
+                                          dtype=settings.dtype, progress=False,
                                           **fields)
     engine.generate("Warm up: the first forward pass of a process is slower.", max_new_tokens=2)  # not timed
     rag_warm = False
@@ -204,7 +207,7 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
         answered = 0
         try:
             memory, prefill = next(reads)
-            answers = _ask_all(engine, memory, item, context, settings)
+            answers = _ask_all(engine, memory, item, context, settings, reread=method in REREAD_METHODS)
             try:
                 event_size = memory.stats()["mean_event_size"] if method != "full" else None
                 for (question, expected, depth, _), (ids, result) in zip(item.questions, answers):
@@ -221,11 +224,11 @@ def _answer_engine(items: Sequence[TaskItem], method: str, length: int, engine: 
             reads = read_each(engine, contexts[index + 1:])  # the shared reading broke off: start afresh
 
 
-def _ask_all(engine: Any, memory: Any, item: TaskItem, context: list[int],
-             settings: BenchSettings) -> Generator[tuple[list[int], Any], None, None]:
+def _ask_all(engine: Any, memory: Any, item: TaskItem, context: list[int], settings: BenchSettings,
+             reread: bool = False) -> Generator[tuple[list[int], Any], None, None]:
     """(prompt ids, generation) for each of the item's questions, in order, each continuing from the memory that
     read the context: a fork of it when more questions follow (the answer's tokens would otherwise be read into it
-    and the next prompt would not extend it)."""
+    and the next prompt would not extend it). ``reread``: answered by bench.reread.answer_as_text."""
     forking = threading.Lock()  # one fork at a time: a fork reads its parent's whole state
 
     def ask(question: tuple[str, str, float, str]) -> tuple[list[int], Any]:
@@ -235,6 +238,8 @@ def _ask_all(engine: Any, memory: Any, item: TaskItem, context: list[int],
         try:
             ids = context + _question_ids(engine, item, text, lead)
             budget = max_new_tokens_for(settings, engine, expected)
+            if reread:
+                return ids, answer_as_text(engine, asking, ids, budget)
             return ids, engine.generate(ids, memory=asking, max_new_tokens=budget)
         finally:
             if asking is not memory:

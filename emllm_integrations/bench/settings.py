@@ -21,6 +21,10 @@ TASKS = (*RULER_TASKS, *PROBE_TASKS)
 RAG_METHODS = {"rag-minilm": ("minilm", "paper"), "rag-mpnet": ("mpnet", "paper"), "rag-tuned": ("minilm", "tuned")}
 """Each RAG method's embedding and recipe (rag.RECIPES): the paper's protocol with either embedder, and the RAG a
 practitioner builds (hybrid search, its chunk size chosen on a development split)."""
+REREAD_METHODS = {"E-text": "E"}
+"""Methods that rank and retrieve events as a preset does, then read what that preset attends to (its sinks, the
+retrieved events in document order, the local window) afresh as text under full attention (bench.reread): KV or
+text, which reads the same retrieval better."""
 DEFAULT_METHODS = ("E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
 DEFAULT_LENGTHS = (8192, 32768, 65536, 131072)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
@@ -215,10 +219,10 @@ def check_names(kind: str, names: Any, allowed: Sequence[str]) -> list[str]:
 
 
 def check_methods(methods: Any) -> list[str]:
-    """EM-LLM presets, ``full`` and the RAG methods, each once."""
+    """EM-LLM presets, ``full``, the re-reading and the RAG methods, each once."""
     from emllm import PRESETS
 
-    return check_names("method", methods, [*PRESETS, *RAG_METHODS])
+    return check_names("method", methods, [*PRESETS, *REREAD_METHODS, *RAG_METHODS])
 
 
 def check_lengths(lengths: Any) -> list[int]:

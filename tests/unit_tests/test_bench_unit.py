@@ -373,3 +373,34 @@ def test_chat_with_standard_input_closed_says_so_before_loading():
                             preexec_fn=lambda: __import__("os").close(0))
     assert closed.returncode == 2, closed.stderr
     assert "standard input is closed" in closed.stderr and "Traceback" not in closed.stderr
+
+
+# ---------------------------------------------------------------------- E-text: the same retrieval read as text
+def test_what_the_memory_attends_to_is_re_read_in_document_order():
+    """attended_ids keeps the sinks, the union of the layers' retrieved events (clipped to the evicted part, each
+    token once) and the local window, in document order; a prompt that never left the window is kept whole."""
+    from emllm_integrations.bench.reread import attended_ids
+
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    short = token_ids(40)
+    memory = engine.new_memory()
+    engine.generate(short, memory=memory, max_new_tokens=1)
+    assert attended_ids(short, memory, []) == short
+    ids = token_ids(300)
+    memory = engine.new_memory()
+    result = engine.generate(ids, memory=memory, max_new_tokens=1)
+    spans = [(event.start, event.end) for event in result.retrieved_events]
+    assert len(spans) >= 2
+    stats = memory.stats()
+    sinks, local = stats["tokens_sinks"], stats["tokens_sinks"] + stats["tokens_evicted"]
+    positions = sorted({p for start, end in [*spans, (spans[0][0], spans[0][1])] for p in range(start, end)})
+    expected = [*range(sinks), *positions, *range(local, len(ids))]
+    assert attended_ids(ids, memory, spans + spans[:1]) == [ids[p] for p in expected]
+
+
+def test_e_text_is_a_bench_method_on_the_default_preset():
+    from emllm_integrations.bench.settings import REREAD_METHODS, check_methods
+
+    assert check_methods(["E-text", "E"]) == ["E-text", "E"] and REREAD_METHODS["E-text"] == "E"
