@@ -104,7 +104,8 @@ class ChatEMLLM(BaseChatModel):
     """Weights dtype: "auto" (bfloat16 where the CPU is fast at it, else float32), "float32", "bfloat16"."""
     device: str | None = None
     max_memories: int = 4
-    """Conversation checkpoints the shared pool keeps for reuse (least recently used ones are dropped)."""
+    """Conversations the shared pool keeps resumable (MemoryPool: the latest checkpoint of each, and up to twice as
+    many earlier ones they extend; the least recently used go first)."""
     memory_path: str | None = None
     """A memory saved by ``save_memory`` (e.g. a long document already read): conversations that extend what it
     read continue from it instead of reading again. It must have this instance's memory settings."""

@@ -76,11 +76,16 @@ def loaded_engines() -> int:
 
 
 class MemoryPool:
-    """Checkpointed memories of one engine and config; thread-safe."""
+    """Checkpointed memories of one engine and config; thread-safe.
+
+    ``max_memories`` counts conversations, not checkpoints: the pool keeps the latest checkpoint of that many
+    conversations (a checkpoint no other kept one extends; least recently used first out), and beside them up to
+    twice as many earlier ones that a kept conversation extends (a document before its question, a prompt before
+    its answer). Each call keeps up to three checkpoints, so counting them made four slots about one conversation."""
 
     def __init__(self, engine: EMEngine, config: EMConfig | None = None, max_memories: int = 4):
         if max_memories < 1:
-            raise ValueError(f"max_memories must be at least 1 (checkpoints kept for reuse), got {max_memories}.")
+            raise ValueError(f"max_memories must be at least 1 (conversations kept for reuse), got {max_memories}.")
         self.engine = engine
         self.config = config or engine.config
         self.config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
@@ -117,9 +122,23 @@ class MemoryPool:
                 memory.close()  # the same tokens are already kept
                 return
             self._recent[id(memory)] = memory
-            while len(self._recent) > self.max_memories:
-                _, old = self._recent.popitem(last=False)
-                old.close()
+            self._evict()
+
+    def _evict(self) -> None:
+        """Close the least recently used latest checkpoints past max_memories, then the least recently used earlier
+        ones past twice that (closing a conversation's latest may make an earlier one its latest)."""
+        while True:
+            recent = list(self._recent.values())
+            latest = [m for m in recent if not any(_extends(other, m) for other in self._checkpoints())]
+            earlier = [m for m in recent if m not in latest]
+            if len(latest) > self.max_memories:
+                victim = latest[0]
+            elif len(earlier) > 2 * self.max_memories:
+                victim = earlier[0]
+            else:
+                return
+            del self._recent[id(victim)]
+            victim.close()
 
     def adopt(self, memory: EpisodicMemory) -> None:
         """Pin a memory made elsewhere (e.g. loaded from disk) as a checkpoint; the pool closes it on close()."""
@@ -186,6 +205,12 @@ class MemoryPool:
     @property
     def num_checkpoints(self) -> int:
         return len(self._pinned) + len(self._recent)
+
+
+def _extends(memory: EpisodicMemory, prefix: EpisodicMemory) -> bool:
+    """Whether ``memory`` has read everything ``prefix`` has, and more."""
+    n = prefix.total_tokens
+    return memory.total_tokens > n and memory.token_ids[:n] == prefix.token_ids
 
 
 class _PoolPolicy:

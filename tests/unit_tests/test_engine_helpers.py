@@ -425,3 +425,33 @@ def test_allow_empty_false_keeps_the_end_away_until_something_visible_is_written
     assert engine.generate(prompt, max_new_tokens=4).text == ""
     kept = engine.generate(prompt, max_new_tokens=4, allow_empty=False)
     assert kept.text.strip() and kept.token_ids[0] != first
+
+
+def test_a_pool_of_four_keeps_three_conversations_on_one_document():
+    """Issue 58, item 3: each call keeps up to three checkpoints (the document before its question, the prompt, the
+    answer). Counting checkpoints, MemoryPool(max_memories=4) kept about one conversation: of three sessions on one
+    document, two re-read everything at their second turn. Counting conversations, every second turn reads only
+    its own new tokens; a fifth conversation then pushes out the least recently used."""
+    from emllm import MemoryPool
+
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    pool = MemoryPool(engine, engine.config, max_memories=4)
+    document = token_ids(300)
+    firsts = []
+    for session in range(3):
+        prompt = document + token_ids(12, seed=100 + session)
+        firsts.append(prompt + pool.generate(prompt, max_new_tokens=4).token_ids)
+    for session, history in enumerate(firsts):
+        follow_up = token_ids(9, seed=200 + session)
+        read = pool.generate(history + follow_up, max_new_tokens=4).new_input_tokens
+        assert read == len(follow_up) + 1, session  # and the answer's last token, which no forward had read
+    for session in range(3, 5):  # two more conversations: the least recently used (session 0) is the one dropped
+        pool.generate(document + token_ids(12, seed=100 + session), max_new_tokens=4)
+    resumed = [pool.acquire(history) for history in firsts]  # the longest kept prefix of each session
+    assert resumed[0].total_tokens < len(firsts[0]) and resumed[2].total_tokens == len(firsts[2]) - 1
+    for memory in resumed:
+        memory.close()
+    assert pool.num_checkpoints <= 3 * 4
+    pool.close()
