@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from emllm import DEFAULT_PRESET, RetrievedEvent
+from tqdm.auto import tqdm
 
 from .checks import check_documents, check_order, check_positive, check_question
 from .markdown import table as markdown_table
@@ -152,7 +153,8 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
         started = time.perf_counter()
         pool.read(context_ids, progress=progress)
         em_setup = time.perf_counter() - started
-        for question in questions:
+        for question in tqdm(questions, desc="answering with EM-LLM and RAG", unit="question", disable=not progress,
+                             dynamic_ncols=True):
             tail = chat_frame(engine, question)[1] if chat else engine.tokenize(qa_suffix(question))
             result = pool.generate(context_ids + tail, max_new_tokens=max_new_tokens)
             events = [RetrievedEvent(e.start - len(header), e.end - len(header), e.layers)

@@ -103,6 +103,9 @@ class ChatEMLLM(BaseChatModel):
     dtype: str = "auto"
     """Weights dtype: "auto" (bfloat16 where the CPU is fast at it, else float32), "float32", "bfloat16"."""
     device: str | None = None
+    progress: bool = False
+    """Show progress bars (stderr) while the model loads and a long prompt is read (a first use converts the model
+    and says so either way)."""
     max_memories: int = 4
     """Conversations the shared pool keeps resumable (MemoryPool: the latest checkpoint of each, and up to twice as
     many earlier ones they extend; the least recently used go first)."""
@@ -146,7 +149,8 @@ class ChatEMLLM(BaseChatModel):
         if unknown:
             raise ValueError(
                 f"Unknown argument(s) {unknown} for ChatEMLLM. Engine fields: {', '.join(ENGINE_FIELDS)}. "
-                "Chat fields: model, revision, token, engine, preset, dtype, device, max_memories, temperature, "
+                "Chat fields: model, revision, token, engine, preset, dtype, device, progress, max_memories, "
+                "temperature, "
                 "max_tokens, top_p, top_k, "
                 "seed, stop, streaming (and LangChain's own, e.g. callbacks, tags, cache).")
         if flat:
@@ -204,7 +208,7 @@ class ChatEMLLM(BaseChatModel):
             return self.loaded_engine
         token = self.token.get_secret_value() if self.token is not None else None
         return shared_engine(model or self.model_name, dtype=self.dtype, device=self.device, revision=self.revision,
-                             token=token, progress=False)
+                             token=token, progress=self.progress)
 
     def pool(self, model: str | None = None) -> MemoryPool:
         """The MemoryPool shared by every instance with this model and these memory settings."""
@@ -329,7 +333,7 @@ class ChatEMLLM(BaseChatModel):
         call = self.call_options(stop, kwargs)
         schemas = ToolSchemas(call.tools) if call.tools else None  # checked before the model loads
         pool = self.pool(call.model)
-        options = dict(call.sampling)
+        options = {**call.sampling, "progress": self.progress}
         if call.tools:
             options.update(tool_decoding(pool.engine, call.tools, call.tool_choice))
         if call.response_format is not None:

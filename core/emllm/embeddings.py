@@ -185,7 +185,11 @@ def load_embedding_model(name: Any = "minilm", device: str | None = None) -> Any
     key = (str(path.resolve()), device)
     with _MODELS_LOCK:
         if key not in _MODELS:
-            model = SentenceTransformer(str(path), device=device, local_files_only=True, trust_remote_code=False)
+            from .models import progress_bars
+
+            with progress_bars(False):  # a library call that prints a bar per load is noise in a user's output
+                model = SentenceTransformer(str(path), device=device, local_files_only=True,
+                                            trust_remote_code=False)
             limit = _position_limit(model)
             if model.max_seq_length is not None and limit > model.max_seq_length:
                 model.max_seq_length = limit  # see the module docstring: 300 words do not fit 256 pieces

@@ -630,7 +630,7 @@ def _concatenate(parts: list[pathlib.Path], dest: pathlib.Path, progress: bool) 
 
 
 @contextlib.contextmanager
-def _progress_bars(enabled: bool, *, quiet_stderr: bool = False) -> Iterator[None]:
+def progress_bars(enabled: bool, *, quiet_stderr: bool = False) -> Iterator[None]:
     """Switch transformers' progress bars on or off for the duration, then restore the setting.
 
     The GGUF dequantisation bar in transformers ignores that switch (plain tqdm on stderr), so a
@@ -663,13 +663,9 @@ def _convert_gguf(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
-    if progress:
-        print(
-            f"emllm: converting embedded model {spec.display_name} to safetensors (once; 20-90 s) "
-            f"into {out.parent.parent / cache_folder_name(spec)}",
-            file=sys.stderr,
-            flush=True,
-        )
+    # Said with or without progress bars: a first use silent for minutes (the 1.5B: 3.5 on 2 cores) looks hung.
+    print(f"emllm: converting embedded model {spec.display_name} to safetensors (once per cache; a minute or two "
+          f"per billion parameters) into {out.parent.parent / cache_folder_name(spec)}", file=sys.stderr, flush=True)
     if len(parts) == 1:
         gguf_dir, gguf_name = parts[0].parent, parts[0].name
     else:
@@ -677,7 +673,7 @@ def _convert_gguf(
         gguf_dir.mkdir()
         _concatenate(parts, gguf_dir / gguf_name, progress)
 
-    with _progress_bars(progress, quiet_stderr=True):
+    with progress_bars(progress, quiet_stderr=True):
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf_dir), gguf_file=gguf_name, dtype=torch.float32, local_files_only=True, trust_remote_code=False
         )
@@ -692,7 +688,7 @@ def _convert_gguf(
         del model.config.quantization_config
     _prepare_tokenizer(tokenizer, fallback_template=_CHATML_TEMPLATE)
 
-    with _progress_bars(progress):
+    with progress_bars(progress):
         model.save_pretrained(out)  # safetensors is the only format transformers 5 writes
         tokenizer.save_pretrained(out)
     marker = {
@@ -712,8 +708,7 @@ def _convert_gguf(
     for f in out.iterdir():
         f.chmod(mode)
     del model
-    if progress:
-        print(f"emllm: converted {spec.display_name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(f"emllm: converted {spec.display_name} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
 def _version_of(dist: str) -> str:
@@ -846,7 +841,7 @@ def load_model(
         device = device_or_default(device)
         torch_dtype = resolve_dtype(dtype, device)
 
-        with _progress_bars(progress):
+        with progress_bars(progress):
             kwargs: dict[str, Any] = {"config": config, "dtype": torch_dtype, "local_files_only": True,
                                       "trust_remote_code": False}
             if device_map is not None:

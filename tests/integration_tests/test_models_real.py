@@ -91,7 +91,7 @@ _CONVERT = textwrap.dedent(
     """
     import sys
     from emllm.models import resolve_model_dir
-    print(resolve_model_dir(sys.argv[2], cache_dir=sys.argv[1], progress=True), flush=True)
+    print(resolve_model_dir(sys.argv[2], cache_dir=sys.argv[1], progress=False), flush=True)  # announced anyway
     """
 )
 
@@ -152,3 +152,12 @@ def test_qwen_loads_and_generates():
     new_tokens = out[0, inputs["input_ids"].shape[1]:]
     assert len(new_tokens) > 0
     assert tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+
+
+def test_loading_the_embedding_model_prints_no_progress_bars():
+    """Issue 58, item 6: MiniLM's "Loading weights" bar printed from plain library calls (RAGBaseline, preset E)."""
+    done = subprocess.run([sys.executable, "-c", "from emllm.embeddings import load_embedding_model; "
+                           "load_embedding_model('minilm')"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert done.returncode == 0, done.stderr
+    assert "Loading weights" not in done.stderr and "it/s" not in done.stderr, done.stderr

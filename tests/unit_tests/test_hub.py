@@ -120,3 +120,21 @@ def test_the_adapters_run_an_engine_made_from_a_loaded_model():
     assert llm.pool.engine is engine and llm.metadata.model_name == engine.model_name
     assert llm.complete(" ".join(["t9"] * 30)).raw is not None
     assert loaded_engines() == before  # nothing was loaded by name
+
+
+def test_chat_emllm_shows_reading_progress_when_asked(capfd):
+    """Issue 58, item 6: ChatEMLLM read long prompts in silence. progress=True shows the reading bar on stderr;
+    the default stays quiet, as LangChain chat models are."""
+    from langchain_core.messages import HumanMessage
+
+    from emllm_integrations.langchain import ChatEMLLM
+
+    from .tiny import tiny_engine
+
+    engine = tiny_engine("S")
+    long_prompt = [HumanMessage(" ".join(["t5"] * 120))]
+    ChatEMLLM(engine=engine, preset="S", max_tokens=2, **TINY).invoke(long_prompt)
+    assert "reading into memory" not in capfd.readouterr().err
+    ChatEMLLM(engine=engine, preset="S", max_tokens=2, progress=True, **TINY).invoke(
+        [HumanMessage(" ".join(["t6"] * 120))])
+    assert "reading into memory" in capfd.readouterr().err
