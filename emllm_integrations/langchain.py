@@ -61,7 +61,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from langchain_core.utils.utils import secret_from_env
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from emllm import (DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, Grammar, MemoryPool,
+from emllm import (DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool,
                    shared_engine)
 from emllm.decoding import check_sampling
 from emllm.models import check_model
@@ -69,6 +69,7 @@ from emllm.sessions import shared_pool
 from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas
 
 from .async_bridge import iterate_in_thread
+from .response_format import response_grammar, with_format_request
 from .sampling import sampling_options
 from .tool_choice import chosen_tools, tool_decoding
 
@@ -337,7 +338,7 @@ class ChatEMLLM(BaseChatModel):
         if call.tools:
             options.update(tool_decoding(pool.engine, call.tools, call.tool_choice))
         if call.response_format is not None:
-            options["grammar"] = _response_grammar(call.response_format)
+            options["grammar"] = response_grammar(call.response_format)
             prompt = with_format_request(prompt, call.response_format)
         stream = pool.stream(prompt, **options)
         replies = _ReplyChunks(schemas, whole=call.response_format is not None)
@@ -523,38 +524,6 @@ def _with_llm_output(result: ChatResult) -> ChatResult:
                                          "completion_tokens": usage.get("output_tokens", 0),
                                          "total_tokens": usage.get("total_tokens", 0)}}
     return result
-
-
-def with_format_request(prompt: list[dict[str, Any]], response_format: dict[str, Any]) -> list[dict[str, Any]]:
-    """The conversation with the schema asked for just before the last message's last paragraph (its question).
-    The grammar makes the answer parse; the model must also know the fields to fill them well (measured: with the
-    grammar alone Qwen2.5-Coder-0.5B looped inside the first string of a joke until max_tokens). Before the
-    question, so the question still decides what the memory retrieves; after the document, so a long document's
-    memory is still reused."""
-    spec = response_format.get("json_schema") or {}
-    schema = spec.get("schema")
-    request = ("Answer with a JSON object that matches this JSON schema:\n" + json.dumps(schema) if schema
-               else "Answer with a JSON object.")
-    last = prompt[-1]
-    if last["role"] != "user":
-        return [*prompt, {"role": "user", "content": request}]
-    text = last["content"]
-    cut = text.rstrip().rfind("\n\n")
-    content = f"{text[:cut]}\n\n{request}\n\n{text[cut + 2:]}" if cut >= 0 else f"{request}\n\n{text}"
-    return [*prompt[:-1], {**last, "content": content}]
-
-
-def _response_grammar(response_format: dict[str, Any]) -> Grammar:
-    """The grammar of an OpenAI-style response_format: {"type": "json_schema", "json_schema": {"name", "schema"}}
-    or {"type": "json_object"} (any JSON object)."""
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "json_object":
-        return Grammar.json_schema({"type": "object"}, "json_object")
-    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
-        spec = response_format["json_schema"]
-        return Grammar.json_schema(spec.get("schema") or {"type": "object"}, spec.get("name", "response"))
-    raise ValueError("response_format must be {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}} "
-                     f"or {{'type': 'json_object'}}, got {response_format!r}.")
 
 
 class _ReplyChunks:
