@@ -18,7 +18,7 @@ from emllm.scoring import POOLINGS, SCORINGS
 from .bench import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS, RULER_TASKS,
                     TASKS, BenchRequirementError, BenchSettings, check_out_dir, check_requirements, config_overrides,
                     load_done, markdown, peak_rss_mb, run_bench, settings_record, summary, write_report)
-from . import parts
+from . import parts, serve
 
 ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "retrieval_pooling",
                     "memory_positions")
@@ -26,7 +26,7 @@ ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieva
 ones into EMConfig's scorer); one list for demo, chat and bench."""
 
 
-def _engine_fields(args: argparse.Namespace, *extra: str) -> dict:
+def engine_fields(args: argparse.Namespace, *extra: str) -> dict:
     """The engine fields given on the command line (ENGINE_OVERRIDES, then ``extra``), by flag name."""
     return {name: getattr(args, name) for name in (*ENGINE_OVERRIDES, *extra) if getattr(args, name, None) is not None}
 
@@ -35,7 +35,7 @@ def _engine(args: argparse.Namespace):
     from emllm import EMEngine
 
     print(f"loading {args.model or 'the embedded default model'} (preset {args.preset}) ...", file=sys.stderr)
-    return EMEngine.from_pretrained(args.model, preset=args.preset, **config_overrides(_engine_fields(args)))
+    return EMEngine.from_pretrained(args.model, preset=args.preset, **config_overrides(engine_fields(args)))
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -47,7 +47,7 @@ def demo(args: argparse.Namespace) -> int:
     from .bench.ruler import family_document, score
     from .compare import compare
 
-    EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))  # bad settings fail before loading
+    EMConfig.from_preset(args.preset, **config_overrides(engine_fields(args)))  # bad settings fail before loading
     try:
         check_requirements(["fact_qa"], [])  # the essays its document is made of
     except BenchRequirementError as error:
@@ -61,7 +61,7 @@ def demo(args: argparse.Namespace) -> int:
           f"of {trained:,}) holding {args.questions} facts ...", file=sys.stderr)
     doc = family_document("fact_qa", tokens, engine.count_tokens, questions=args.questions, seed=args.seed)
     result = compare([doc.context], [q.question for q in doc.questions], preset=args.preset, llm_model=args.model,
-                     max_new_tokens=48, progress=True, **config_overrides(_engine_fields(args)))
+                     max_new_tokens=48, progress=True, **config_overrides(engine_fields(args)))
     em, rag = result.rows_for("em-llm"), result.rows_for("rag")
     right = {"em-llm": 0, "rag": 0}
     print(f"\n{result.document_tokens:,} document tokens; model {args.model or DEFAULT_MODEL}; "
@@ -90,7 +90,7 @@ def chat(args: argparse.Namespace) -> int:
     from emllm.decoding import check_sampling
 
     check_sampling(args.max_new_tokens, 0.0, 1.0, 0)  # before the model loads and the document is read
-    EMConfig.from_preset(args.preset, **config_overrides(_engine_fields(args)))
+    EMConfig.from_preset(args.preset, **config_overrides(engine_fields(args)))
     if sys.stdin is None or sys.stdin.closed:  # questions come from stdin: say so before the model loads
         print("emllm chat: standard input is closed, and the questions are read from it: run it in a terminal, or "
               "pipe the questions in (one per line).", file=sys.stderr)
@@ -148,7 +148,7 @@ def chat(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     # The extras the requested tasks and methods need are looked for by run_bench before any model loads.
-    fields = _engine_fields(args, "offload_dir")
+    fields = engine_fields(args, "offload_dir")
     record = settings_record(BenchSettings(tuple(args.tasks), tuple(args.depths), args.model, args.dtype,
                                            seed=args.seed, max_new_tokens=args.max_new_tokens, engine_fields=fields,
                                            questions=args.questions))
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="run every cell in this process (faster to start; peak RSS then only grows)")
     p_bench.set_defaults(run=bench)
     parts.add_parser(sub)
+    serve.add_parser(sub, common)
 
     args = parser.parse_args(argv)
     if args.run is bench:  # bench reports its own errors, cell by cell

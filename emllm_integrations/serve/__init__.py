@@ -1,0 +1,67 @@
+"""`emllm serve`: an OpenAI-compatible server whose conversations keep their episodic memory across requests and
+restarts (FastAPI + uvicorn; the optional extra ``[serve]``).
+
+    emllm serve --model smollm2 --port 8000 --sessions ./sessions
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.chat.completions.create(model=..., messages=[...], extra_headers={"X-Session-Id": "alice"})
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["add_parser", "serve"]  # the app itself: emllm_integrations.serve.app (needs the [serve] extra)
+
+INSTALL = "pip install 'emllm-integrations[serve]'"
+
+
+def add_parser(sub: Any, common: Any) -> None:
+    """The `serve` subcommand of the `emllm` command line; ``common`` adds the model and engine flags."""
+    parser = sub.add_parser("serve", help="an OpenAI-compatible server whose sessions keep their memory")
+    common(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--sessions", default="./emllm-sessions",
+                        help="the session store: a directory (default ./emllm-sessions)")
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="require this bearer key (repeat for several); each key has its own sessions")
+    parser.add_argument("--max-resident-sessions", type=int, default=64,
+                        help="sessions kept in RAM; the others come back from the store (default 64)")
+    parser.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413 (default 8)")
+    parser.add_argument("--default-max-tokens", type=int, default=512,
+                        help="answer length when a request gives none (default 512)")
+    parser.set_defaults(run=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM (uvicorn finishes open requests first)."""
+    try:
+        import uvicorn
+
+        from .app import ServeSettings, create_app
+    except ImportError as error:
+        print(f"emllm serve needs FastAPI and uvicorn ({error}): {INSTALL}", file=sys.stderr)
+        return 2
+    from emllm import EMConfig, shared_engine
+
+    from ..bench import config_overrides
+    from ..cli import engine_fields
+
+    config = EMConfig.from_preset(args.preset, **config_overrides(engine_fields(args)))  # refused before loading
+    if args.max_resident_sessions < 1 or args.max_body_mb <= 0 or args.default_max_tokens < 1:
+        raise ValueError("--max-resident-sessions and --default-max-tokens must be >= 1, --max-body-mb > 0.")
+    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    engine = shared_engine(args.model)
+    config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
+    settings = ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
+                             max_resident_sessions=args.max_resident_sessions,
+                             max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens)
+    app = create_app(engine, config, settings)
+    print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
+          f"{args.sessions}", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

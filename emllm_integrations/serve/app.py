@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP app: FastAPI routes over one engine, its sessions and the anonymous pool.
+
+Requests run in FastAPI's thread pool, so concurrent conversations decode together through emllm.batching (one
+forward per step), each with its own memory. A request's failure is its own: it is answered in OpenAI's error
+format and the server goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from emllm import EMConfig, EMEngine
+from emllm.tools import ReplyStream, ToolCall, ToolSchemas, parse_reply
+
+from ..response_format import response_grammar, with_format_request
+from ..sampling import sampling_options
+from ..tool_choice import tool_decoding
+from .openai_format import (SESSION_ID, ChatCall, RequestError, check_chat_request, chunk, completion, completion_id,
+                            error_body, message_of, usage)
+from .sessions import Sessions, namespace
+
+log = logging.getLogger("emllm.serve")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What `emllm serve` is started with."""
+    sessions: str                         # the session store: a local directory
+    api_keys: tuple[str, ...] = ()        # when any: one of them is required as a bearer token
+    max_resident_sessions: int = 64       # sessions kept in RAM; the rest come back from the store
+    max_body_bytes: int = 8 * 2**20       # larger requests get 413
+    default_max_tokens: int = 512         # when a request gives neither max_tokens nor max_completion_tokens
+
+
+def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> FastAPI:
+    """The app serving ``engine`` with memories of ``config``."""
+    sessions = Sessions(engine, config, settings.sessions, settings.max_resident_sessions)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        sessions.close()  # every completed turn is already saved: closing frees RAM and disk pages only
+
+    app = FastAPI(title="emllm serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    model = engine.model_name
+    app.state.sessions = sessions
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Any:
+        """The key and the body size, before a route reads anything."""
+        if settings.api_keys and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not any(secrets.compare_digest(given, f"Bearer {key}".encode()) for key in settings.api_keys):
+                return _error(RequestError("Incorrect or missing API key: send Authorization: Bearer KEY.",
+                                           status=401, code="invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
+            return _error(RequestError(f"The request body is {int(length):,} bytes, over this server's "
+                                       f"{settings.max_body_bytes:,}.", status=413))
+        return await call_next(request)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model, "sessions_resident": sessions.resident}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "emllm"}]}
+
+    @app.get("/v1/sessions/{session_id}")
+    def get_session(session_id: str, request: Request) -> Any:
+        _check_session_id(session_id)
+        info = sessions.describe(_space(request, settings), session_id)
+        if info is None:
+            return _error(RequestError(f"No session {session_id!r}.", status=404, code="session_not_found"))
+        return info
+
+    @app.delete("/v1/sessions/{session_id}")
+    def delete_session(session_id: str, request: Request) -> Any:
+        _check_session_id(session_id)
+        if not sessions.forget(_space(request, settings), session_id):
+            return _error(RequestError(f"No session {session_id!r}.", status=404, code="session_not_found"))
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(RequestError("The request body is not valid JSON."))
+        try:
+            call = check_chat_request(body, model, settings.default_max_tokens, request.headers.get("x-session-id"))
+            turn = _Turn(engine, sessions, call, _space(request, settings), model)
+            if call.stream:
+                return StreamingResponse(turn.events(), media_type="text/event-stream")
+            return await _in_thread(turn.answer)
+        except RequestError as error:
+            return _error(error)
+        except (TypeError, ValueError) as error:  # refused by the engine before it read anything
+            return _error(RequestError(str(error)))
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, error: RequestError) -> JSONResponse:
+        return _error(error)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(error_body(f"The server failed on this request: {type(error).__name__}: {error}",
+                                       "server_error"), status_code=500)
+
+    return app
+
+
+class _Turn:
+    """One chat completion: its options checked and its prompt built before anything is read."""
+
+    def __init__(self, engine: EMEngine, sessions: Sessions, call: ChatCall, space: str, model: str):
+        self.engine, self.sessions, self.call, self.space, self.model = engine, sessions, call, space, model
+        try:
+            options = sampling_options(call.options["max_tokens"], call.options["temperature"],
+                                       call.options["top_p"], 0, call.options["seed"], call.options["stop"])
+        except (TypeError, ValueError) as error:
+            raise RequestError(str(error)) from None
+        prompt = call.messages
+        self.schemas = None
+        if call.tools:
+            try:
+                options.update(tool_decoding(engine, call.tools, call.tool_choice))
+            except ValueError as error:
+                raise RequestError(str(error), param="tool_choice") from None
+            self.schemas = ToolSchemas(call.tools)
+        if call.response_format is not None:
+            try:
+                options["grammar"] = response_grammar(call.response_format)
+            except ValueError as error:
+                raise RequestError(str(error), param="response_format") from None
+            prompt = with_format_request(prompt, call.response_format)
+        self.prompt, self.options = prompt, options
+        self.id = completion_id()
+
+    def _generate(self) -> Iterator[Any]:
+        """The text deltas of the answer, then (last) the GenerationResult; the session is held throughout and saved
+        once the answer is complete."""
+        if self.call.session_id is None:
+            stream = self.sessions.anonymous.stream(self.prompt, **self.options)
+            yield from stream
+            yield stream.result
+            return
+        with self.sessions.turn(self.space, self.call.session_id) as session:
+            stream = session.pool.stream(self.prompt, **self.options)
+            yield from stream
+            result = stream.result
+            ids = self.engine.encode_prompt(self.prompt, self.options.get("tools")).ids
+            self.sessions.save(self.space, self.call.session_id, session, list(ids) + result.token_ids)
+            yield result
+
+    def answer(self) -> dict[str, Any]:
+        *_, result = self._generate()
+        message, calls = message_of(parse_reply(result.text, self.schemas)) if self.schemas else (
+            {"role": "assistant", "content": result.text}, None)
+        return completion(self.id, self.model, message, calls or result.finish_reason, result)
+
+    def events(self) -> Iterator[str]:
+        """Server-sent events: the role, the text deltas (with tools: text pieces and each whole call), the finish
+        reason, the usage when asked, and [DONE]. An error after the first event ends the stream with an error
+        event in OpenAI's format."""
+        yield chunk(self.id, self.model, {"role": "assistant", "content": ""})
+        replies = ReplyStream(self.schemas) if self.schemas else None
+        calls = 0
+        try:
+            for piece in self._generate():
+                if not isinstance(piece, str):
+                    result = piece
+                    break
+                for part in (replies.feed(piece) if replies else [piece]):
+                    if isinstance(part, ToolCall):
+                        yield chunk(self.id, self.model, {"tool_calls": [_call_delta(part, calls)]})
+                        calls += 1
+                    elif isinstance(part, str) and part:
+                        yield chunk(self.id, self.model, {"content": part})
+            if replies:
+                for part in replies.close():
+                    if isinstance(part, ToolCall):
+                        yield chunk(self.id, self.model, {"tool_calls": [_call_delta(part, calls)]})
+                        calls += 1
+                    elif isinstance(part, str) and part:
+                        yield chunk(self.id, self.model, {"content": part})
+        except Exception as error:  # the stream has begun: the error goes in the stream
+            log.exception("streamed request failed")
+            yield f"data: {json.dumps(error_body(f'{type(error).__name__}: {error}', 'server_error'))}\n\n"
+            return
+        yield chunk(self.id, self.model, {}, "tool_calls" if calls else result.finish_reason)
+        if self.call.include_usage:
+            yield chunk(self.id, self.model, {}, with_usage=usage(result), choices=False)
+        yield "data: [DONE]\n\n"
+
+
+def _call_delta(call: ToolCall, index: int) -> dict[str, Any]:
+    return {"index": index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+def _space(request: Request, settings: ServeSettings) -> str:
+    """The caller's namespace: its key's (checked by the guard), or the public one when the server has no keys."""
+    if not settings.api_keys:
+        return namespace(None)
+    return namespace(request.headers.get("authorization", "").removeprefix("Bearer "))
+
+
+def _check_session_id(session_id: str) -> None:
+    if not SESSION_ID.fullmatch(session_id):
+        raise RequestError("A session id is 1-128 letters, digits, '.', '_' or '-', not starting with '.'.",
+                           param="session_id")
+
+
+def _error(error: RequestError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _in_thread(function: Any) -> Any:
+    """Run blocking work in the thread pool: the event loop keeps serving other requests meanwhile."""
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(function)

@@ -1,0 +1,134 @@
+"""Conversations that keep their memory across requests and restarts.
+
+A session (named by the client) owns a MemoryPool of its own: a request whose messages extend what the session has
+read reads only the new tokens; one that rewrites history forks the longest prefix the session still holds. After
+every completed turn the session's latest memory is saved to the store (``engine.save_memory``: atomic, checked on
+load), so a server killed at any moment loses at most the turn in flight. Sessions past ``max_resident`` leave RAM,
+least recently used first, and come back from the store on their next request, in this process or another.
+
+Requests without a session share one pool keyed by token prefix: an app that resends its whole history each turn
+is served from memory without naming a session.
+
+The store is a local directory: ``ROOT/NAMESPACE/SESSION``, the namespace derived from the API key, so one key's
+sessions are out of reach of another's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from emllm import EMConfig, EMEngine, MemoryPool
+
+ANONYMOUS_CONVERSATIONS = 8
+"""Conversations the pool of requests without a session keeps resumable."""
+
+
+def namespace(api_key: str | None) -> str:
+    """The store folder of an API key's sessions (a digest: the key itself is never written down)."""
+    return "public" if api_key is None else "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:24]
+
+
+@dataclass
+class Session:
+    pool: MemoryPool
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.time)
+
+
+class Sessions:
+    """Resident sessions (LRU), the store behind them, and the anonymous pool."""
+
+    def __init__(self, engine: EMEngine, config: EMConfig, store: str | Path, max_resident: int = 64):
+        self.engine, self.config, self.max_resident = engine, config, max_resident
+        self.root = Path(store).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.anonymous = MemoryPool(engine, config, max_memories=ANONYMOUS_CONVERSATIONS)
+        self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def path(self, space: str, session_id: str) -> Path:
+        return self.root / space / session_id
+
+    @contextmanager
+    def turn(self, space: str, session_id: str) -> Iterator[Session]:
+        """The session, held for one turn: a session's turns run one at a time (a conversation has one history)."""
+        session = self._session(space, session_id)
+        with session.lock:
+            session.last_used = time.time()
+            yield session
+
+    def _session(self, space: str, session_id: str) -> Session:
+        key = (space, session_id)
+        with self._lock:
+            session = self._resident.get(key)
+            if session is not None:
+                self._resident.move_to_end(key)
+                return session
+            pool = MemoryPool(self.engine, self.config, max_memories=1)
+            saved = self.path(space, session_id)
+            if (saved / "manifest.json").exists():
+                pool.adopt(self.engine.load_memory(saved, config=self.config))
+            session = self._resident[key] = Session(pool)
+            while len(self._resident) > self.max_resident:
+                _, old = self._resident.popitem(last=False)
+                with old.lock:  # its last turn is saved; a turn in flight finishes first
+                    old.pool.close()
+            return session
+
+    def save(self, space: str, session_id: str, session: Session, conversation: list[int]) -> None:
+        """Save the session's memory that has read the most of ``conversation`` (prompt and answer ids)."""
+        memory = session.pool.acquire(conversation)
+        try:
+            if memory.total_tokens:
+                self.path(space, session_id).parent.mkdir(parents=True, exist_ok=True)
+                self.engine.save_memory(memory, self.path(space, session_id))
+        finally:
+            memory.close()
+
+    def describe(self, space: str, session_id: str) -> dict[str, Any] | None:
+        """What GET /v1/sessions/{id} shows: tokens, events and tiers of the saved memory, and where it lives."""
+        key = (space, session_id)
+        with self._lock:
+            session = self._resident.get(key)
+        saved = self.path(space, session_id)
+        if session is None and not (saved / "manifest.json").exists():
+            return None
+        info: dict[str, Any] = {"id": session_id, "object": "session", "resident": session is not None,
+                                "stored": (saved / "manifest.json").exists()}
+        if session is not None:
+            info["last_used"] = int(session.last_used)
+            info["checkpoints"] = session.pool.num_checkpoints
+        return info
+
+    def forget(self, space: str, session_id: str) -> bool:
+        """Drop a session from RAM and from the store; whether there was one."""
+        key = (space, session_id)
+        with self._lock:
+            session = self._resident.pop(key, None)
+        if session is not None:
+            with session.lock:
+                session.pool.close()
+        saved = self.path(space, session_id)
+        existed = session is not None or saved.exists()
+        shutil.rmtree(saved, ignore_errors=True)
+        return existed
+
+    @property
+    def resident(self) -> int:
+        return len(self._resident)
+
+    def close(self) -> None:
+        with self._lock:
+            for session in self._resident.values():
+                session.pool.close()
+            self._resident.clear()
+        self.anonymous.close()

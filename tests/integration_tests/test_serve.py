@@ -1,0 +1,252 @@
+"""`emllm serve` as a real process on 127.0.0.1, reached by the real clients (openai, langchain-openai, httpx).
+
+SmolLM2 with a small layout keeps it fast; its documents are past the window, so the memory is used. Every wait is
+bounded, and every server a test starts is stopped by its fixture.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import SMOL
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+openai = pytest.importorskip("openai", reason="the openai client is a dev dependency")
+
+LAYOUT = {"n_local": 512, "n_mem": 512, "chunk_size": 256}
+KEYS = ("key-a", "key-b")
+DOCUMENT = ("The keeper of the western lighthouse is Mara Voss. "
+            + "The fishing boats came back late that winter. " * 80
+            + "The harbour master keeps a grey cat named Pebble. " + "Nets were mended on the long pier. " * 60)
+QUESTION = "Who keeps the western lighthouse?"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Server:
+    """One `emllm serve` process on a free loopback port, over a session store."""
+
+    def __init__(self, store: Path, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in LAYOUT.items()]
+        keys = [f"--api-key={key}" for key in KEYS]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "emllm_integrations.cli", "serve", "--model", SMOL, "--preset", "S", *flags,
+             "--host", "127.0.0.1", "--port", str(self.port), "--sessions", str(store), *keys, *extra],
+            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError("the server did not answer /health within 180 s")
+
+    def client(self, key: str = KEYS[0]) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=300, max_retries=0)
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no saving."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture(scope="module")
+def server(store) -> Iterator[Server]:
+    running = Server(store)
+    yield running
+    running.stop()
+
+
+def ask(client: openai.OpenAI, messages: list[dict], session: str | None = None, **options) -> Any:
+    headers = {"X-Session-Id": session} if session else None
+    return client.chat.completions.create(model=SMOL, messages=messages, max_tokens=options.pop("max_tokens", 12),
+                                          temperature=0, extra_headers=headers, **options)
+
+
+def first_turn() -> list[dict]:
+    return [{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTION}"}]
+
+
+def second_turn(answer: str) -> list[dict]:
+    return [*first_turn(), {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And what is the harbour master's cat called?"}]
+
+
+def test_the_server_answers_as_chat_emllm_does_in_process(server):
+    """The same greedy answer through HTTP as ChatEMLLM gives in process, streamed or not."""
+    from langchain_core.messages import HumanMessage
+
+    from emllm_integrations.langchain import ChatEMLLM
+
+    local = ChatEMLLM(model=SMOL, preset="S", max_tokens=12, **LAYOUT).invoke(
+        [HumanMessage(first_turn()[0]["content"])])
+    reply = ask(server.client(), first_turn())
+    assert reply.choices[0].message.content == local.content and reply.model == SMOL
+    assert reply.usage.prompt_tokens > LAYOUT["n_local"] + 128  # past the window: the memory answered
+    streamed = server.client().chat.completions.create(model=SMOL, messages=first_turn(), max_tokens=12,
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == local.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [reply.choices[0].finish_reason]
+
+
+def test_a_session_reads_only_its_new_tokens_and_survives_a_kill(store):
+    """Turn two of a session reports the whole first turn as cached. After kill -9 a new server on the same store
+    continues the session from its saved memory, with the answer the first server gives without the kill."""
+    first = Server(store)
+    try:
+        client = first.client()
+        one = ask(client, first_turn(), session="steady")
+        two = ask(client, second_turn(one.choices[0].message.content), session="steady")
+        assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+        assert two.choices[0].message.content.strip()
+        again = ask(client, first_turn(), session="crash")
+        assert again.choices[0].message.content == one.choices[0].message.content
+        info = httpx.get(f"{first.url}/v1/sessions/crash", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+        assert info["stored"] and info["resident"]
+    finally:
+        first.kill()
+    second = Server(store)
+    try:
+        resumed = ask(second.client(), second_turn(one.choices[0].message.content), session="crash")
+        assert resumed.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+        assert resumed.choices[0].message.content == two.choices[0].message.content
+        assert not list(store.rglob("*.tmp*")), "a killed server must leave no temporary files in the store"
+    finally:
+        second.stop()
+
+
+def test_history_resent_without_a_session_is_served_from_memory(server):
+    client = server.client()
+    one = ask(client, first_turn())
+    two = ask(client, second_turn(one.choices[0].message.content))
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+
+
+def test_sessions_belong_to_their_key(server):
+    ask(server.client(KEYS[0]), first_turn(), session="private")
+    mine = httpx.get(f"{server.url}/v1/sessions/private", headers={"Authorization": f"Bearer {KEYS[0]}"})
+    theirs = httpx.get(f"{server.url}/v1/sessions/private", headers={"Authorization": f"Bearer {KEYS[1]}"})
+    assert mine.status_code == 200 and theirs.status_code == 404
+    assert theirs.json()["error"]["code"] == "session_not_found"
+    gone = httpx.delete(f"{server.url}/v1/sessions/private", headers={"Authorization": f"Bearer {KEYS[1]}"})
+    assert gone.status_code == 404  # another key cannot delete it either
+    assert httpx.delete(f"{server.url}/v1/sessions/private",
+                        headers={"Authorization": f"Bearer {KEYS[0]}"}).json()["deleted"]
+
+
+@pytest.mark.parametrize("case", ["no key", "wrong key", "escaping session", "n=2", "logprobs", "image",
+                                  "malformed json", "unknown field", "unknown model", "big body", "bad stop"])
+def test_refusals_come_in_openais_format_and_the_server_goes_on(server, case):
+    headers = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    expected, raw = 400, None
+    if case == "no key":
+        headers.pop("Authorization")
+        expected = 401
+    elif case == "wrong key":
+        headers["Authorization"] = "Bearer nope"
+        expected = 401
+    elif case == "escaping session":
+        headers["X-Session-Id"] = "../../etc"
+    elif case == "n=2":
+        body["n"] = 2
+    elif case == "logprobs":
+        body["logprobs"] = True
+    elif case == "image":
+        body["messages"] = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    elif case == "malformed json":
+        raw = b'{"model": "smollm2", "messages": ['
+    elif case == "unknown field":
+        body["frobnicate"] = 1
+    elif case == "unknown model":
+        body["model"] = "gpt-9"
+        expected = 404
+    elif case == "big body":
+        body["messages"][0]["content"] = "x" * (9 * 2**20)  # over the default 8 MB
+        expected = 413
+    elif case == "bad stop":
+        body["stop"] = [""]
+    response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=60,
+                          content=raw if raw is not None else json.dumps(body).encode())
+    assert response.status_code == expected, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    assert ask(server.client(), [{"role": "user", "content": "hi"}], max_tokens=2).choices  # still serving
+
+
+def test_concurrent_sessions_each_get_their_alone_answer(server):
+    """Eight sessions at once decode together (emllm.batching); each answer equals the one it gets alone."""
+    client = server.client()
+    prompts = [[{"role": "user", "content": f"{DOCUMENT}\n\nName thing number {i} in the text."}] for i in range(8)]
+    alone = [ask(client, p).choices[0].message.content for p in prompts[:3]]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda item: ask(client, item[1], session=f"c{item[0]}").choices[0].message.content,
+                                 enumerate(prompts)))
+    assert together[:3] == alone
+    assert all(text.strip() for text in together)
+
+
+def test_langchain_openai_chat_model_through_the_server(server):
+    """ChatOpenAI(base_url=...) in an LCEL chain answers as the raw client does, and its bind_tools gets a call that
+    matches the tool's schema."""
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=SMOL, base_url=f"{server.url}/v1", api_key=KEYS[0], temperature=0, max_tokens=12,
+                     max_retries=0)
+    chain = ChatPromptTemplate.from_messages([("human", "{document}\n\n{question}")]) | llm | StrOutputParser()
+    expected = ask(server.client(), first_turn()).choices[0].message.content
+    assert chain.invoke({"document": DOCUMENT, "question": QUESTION}) == expected
+
+    @tool
+    def lookup_price(item: str) -> str:
+        """Look up the price of one item in the shop's catalogue."""
+        return "3 euros"
+
+    caller = llm.bind_tools([lookup_price], tool_choice="lookup_price").bind(max_tokens=40)
+    message = caller.invoke("How much is a pear? Look up its price.")
+    assert message.tool_calls and message.tool_calls[0]["name"] == "lookup_price"
+    assert isinstance(message.tool_calls[0]["args"].get("item"), str)

@@ -1,0 +1,70 @@
+"""The server's reading of OpenAI's chat-completions request (weightless): what it accepts, what it refuses and
+with which field named, and where a session id comes from."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+
+from emllm_integrations.serve.openai_format import RequestError, check_chat_request  # noqa: E402
+
+MODEL = "smollm2"
+
+
+def call(body=None, header=None, **fields):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **(body or {}), **fields}
+    return check_chat_request(body, MODEL, 64, header)
+
+
+def test_a_plain_request_becomes_sampling_options():
+    checked = call(max_tokens=5, temperature=0, stop="END", seed=3)
+    assert checked.options == {"max_tokens": 5, "temperature": 0, "top_p": 1.0, "seed": 3, "stop": ["END"]}
+    assert checked.messages == [{"role": "user", "content": "hi"}] and not checked.stream
+    assert call().options["max_tokens"] == 64 and call().options["temperature"] == 1.0  # OpenAI's defaults
+    assert call(max_completion_tokens=7).options["max_tokens"] == 7
+
+
+def test_developer_messages_are_system_and_text_parts_join():
+    checked = call(messages=[{"role": "developer", "content": "Be brief."},
+                             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert checked.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
+
+
+def test_assistant_tool_calls_and_tool_results_render_for_the_template():
+    checked = call(messages=[
+        {"role": "user", "content": "price?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{\"item\": \"pear\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3 euros"}])
+    assert checked.messages[1]["tool_calls"][0]["function"] == {"name": "lookup", "arguments": {"item": "pear"}}
+    assert checked.messages[2] == {"role": "tool", "content": "3 euros", "tool_call_id": "c1"}
+
+
+@pytest.mark.parametrize(("fields", "param", "status"), [
+    ({"n": 2}, "n", 400), ({"logprobs": True}, "logprobs", 400), ({"frequency_penalty": 0.5}, "frequency_penalty", 400),
+    ({"frobnicate": 1}, "frobnicate", 400), ({"model": "gpt-9"}, "model", 404),
+    ({"messages": []}, "messages", 400), ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]", 400),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0]", 400),
+    ({"messages": [{"role": "tool", "content": "3"}]}, "messages[0].tool_call_id", 400),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", 400),
+    ({"response_format": {"type": "yaml"}}, "response_format", 400),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools", 400),
+    ({"user": "../x"}, "session_id", 400),
+])
+def test_what_cannot_be_honoured_is_refused_naming_the_field(fields, param, status):
+    with pytest.raises(RequestError) as refused:
+        call(**fields)
+    assert refused.value.param == param and refused.value.status == status
+    assert refused.value.body()["error"]["param"] == param
+
+
+def test_a_session_id_comes_from_the_header_then_the_body():
+    assert call(header="h", session_id="s", prompt_cache_key="p", user="u").session_id == "h"
+    assert call(session_id="s", prompt_cache_key="p", user="u").session_id == "s"
+    assert call(prompt_cache_key="p", user="u").session_id == "p"
+    assert call(user="u").session_id == "u" and call().session_id is None
+    for bad in ("", ".hidden", "a/b", "a" * 129, "é"):
+        with pytest.raises(RequestError, match="session id"):
+            call(header=bad) if bad else call(session_id="../" + bad)
