@@ -206,6 +206,20 @@ class MemoryPool:
     def num_checkpoints(self) -> int:
         return len(self._pinned) + len(self._recent)
 
+    def kv_bytes(self) -> dict[str, int]:
+        """Evicted KV bytes the checkpoints hold per tier ("device", "ram", "disk"; the local windows aside); pages
+        forks share count once per checkpoint, as each store's budget counts them (what a server's metrics report)."""
+        with self._lock:
+            memories = self._checkpoints()
+        held: dict[str, int] = {"ram": 0, "disk": 0}
+        for memory in memories:
+            if memory.closed:
+                continue
+            per_token = memory.store.page_bytes // memory.store.page_tokens
+            for tier, tokens in memory.store.tier_tokens().items():
+                held[tier] = held.get(tier, 0) + tokens * per_token
+        return held
+
 
 def _extends(memory: EpisodicMemory, prefix: EpisodicMemory) -> bool:
     """Whether ``memory`` has read everything ``prefix`` has, and more."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from emllm import EMConfig, EMEngine
 from emllm.tools import ReplyStream, ToolCall, ToolSchemas, parse_reply
@@ -24,8 +25,9 @@ from emllm.tools import ReplyStream, ToolCall, ToolSchemas, parse_reply
 from ..response_format import response_grammar, with_format_request
 from ..sampling import sampling_options
 from ..tool_choice import tool_decoding
-from .openai_format import (SESSION_ID, ChatCall, RequestError, check_chat_request, chunk, completion, completion_id,
-                            error_body, message_of, usage)
+from .metrics import Metrics
+from .openai_format import (SESSION_ID, ChatCall, RequestError, check_chat_request, check_completion_request, chunk,
+                            completion, completion_id, error_body, message_of, text_completion, usage)
 from .sessions import Sessions, namespace
 
 log = logging.getLogger("emllm.serve")
@@ -52,6 +54,7 @@ def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> F
 
     app = FastAPI(title="emllm serve", docs_url=None, redoc_url=None, lifespan=lifespan)
     model = engine.model_name
+    metrics = Metrics(sessions)
     app.state.sessions = sessions
 
     @app.middleware("http")
@@ -66,11 +69,20 @@ def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> F
         if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
             return _error(RequestError(f"The request body is {int(length):,} bytes, over this server's "
                                        f"{settings.max_body_bytes:,}.", status=413))
-        return await call_next(request)
+        started = time.perf_counter()
+        response = await call_next(request)
+        name = getattr(request.scope.get("route"), "path", "unmatched")  # the route's template, not the session id
+        metrics.requests.labels(name, str(response.status_code)).inc()
+        metrics.latency.labels(name).observe(time.perf_counter() - started)
+        return response
 
     @app.get("/health")
     def health() -> dict[str, Any]:
         return {"status": "ok", "model": model, "sessions_resident": sessions.resident}
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(metrics.text(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
@@ -91,15 +103,15 @@ def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> F
             return _error(RequestError(f"No session {session_id!r}.", status=404, code="session_not_found"))
         return {"id": session_id, "object": "session", "deleted": True}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
+    async def complete(request: Request, check: Any) -> Any:
+        """A completion route: the body checked by ``check`` (its OpenAI shape), then answered or streamed."""
         try:
             body = await request.json()
         except ValueError:
             return _error(RequestError("The request body is not valid JSON."))
         try:
-            call = check_chat_request(body, model, settings.default_max_tokens, request.headers.get("x-session-id"))
-            turn = _Turn(engine, sessions, call, _space(request, settings), model)
+            call = check(body, model, settings.default_max_tokens, request.headers.get("x-session-id"))
+            turn = _Turn(engine, sessions, call, _space(request, settings), model, metrics)
             if call.stream:
                 return StreamingResponse(turn.events(), media_type="text/event-stream")
             return await _in_thread(turn.answer)
@@ -107,6 +119,15 @@ def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> F
             return _error(error)
         except (TypeError, ValueError) as error:  # refused by the engine before it read anything
             return _error(RequestError(str(error)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        return await complete(request, check_chat_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        """Plain-text completion (OpenAILike(is_chat_model=False)): the prompt read as it is, no chat template."""
+        return await complete(request, check_completion_request)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
@@ -124,14 +145,16 @@ def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> F
 class _Turn:
     """One chat completion: its options checked and its prompt built before anything is read."""
 
-    def __init__(self, engine: EMEngine, sessions: Sessions, call: ChatCall, space: str, model: str):
+    def __init__(self, engine: EMEngine, sessions: Sessions, call: ChatCall, space: str, model: str,
+                 metrics: Metrics):
         self.engine, self.sessions, self.call, self.space, self.model = engine, sessions, call, space, model
+        self.metrics, self.text = metrics, call.text is not None
         try:
             options = sampling_options(call.options["max_tokens"], call.options["temperature"],
                                        call.options["top_p"], 0, call.options["seed"], call.options["stop"])
         except (TypeError, ValueError) as error:
             raise RequestError(str(error)) from None
-        prompt = call.messages
+        prompt: Any = call.text if call.text is not None else call.messages
         self.schemas = None
         if call.tools:
             try:
@@ -154,6 +177,7 @@ class _Turn:
         if self.call.session_id is None:
             stream = self.sessions.anonymous.stream(self.prompt, **self.options)
             yield from stream
+            self.metrics.answered(stream.result)
             yield stream.result
             return
         with self.sessions.turn(self.space, self.call.session_id) as session:
@@ -162,10 +186,13 @@ class _Turn:
             result = stream.result
             ids = self.engine.encode_prompt(self.prompt, self.options.get("tools")).ids
             self.sessions.save(self.space, self.call.session_id, session, list(ids) + result.token_ids)
+            self.metrics.answered(result)
             yield result
 
     def answer(self) -> dict[str, Any]:
         *_, result = self._generate()
+        if self.text:
+            return text_completion(self.id, self.model, result.text, result.finish_reason, result)
         message, calls = message_of(parse_reply(result.text, self.schemas)) if self.schemas else (
             {"role": "assistant", "content": result.text}, None)
         return completion(self.id, self.model, message, calls or result.finish_reason, result)
@@ -174,7 +201,8 @@ class _Turn:
         """Server-sent events: the role, the text deltas (with tools: text pieces and each whole call), the finish
         reason, the usage when asked, and [DONE]. An error after the first event ends the stream with an error
         event in OpenAI's format."""
-        yield chunk(self.id, self.model, {"role": "assistant", "content": ""})
+        if not self.text:
+            yield chunk(self.id, self.model, {"role": "assistant", "content": ""})
         replies = ReplyStream(self.schemas) if self.schemas else None
         calls = 0
         try:
@@ -187,7 +215,7 @@ class _Turn:
                         yield chunk(self.id, self.model, {"tool_calls": [_call_delta(part, calls)]})
                         calls += 1
                     elif isinstance(part, str) and part:
-                        yield chunk(self.id, self.model, {"content": part})
+                        yield chunk(self.id, self.model, {"content": part}, text=self.text)
             if replies:
                 for part in replies.close():
                     if isinstance(part, ToolCall):
@@ -199,9 +227,9 @@ class _Turn:
             log.exception("streamed request failed")
             yield f"data: {json.dumps(error_body(f'{type(error).__name__}: {error}', 'server_error'))}\n\n"
             return
-        yield chunk(self.id, self.model, {}, "tool_calls" if calls else result.finish_reason)
+        yield chunk(self.id, self.model, {}, "tool_calls" if calls else result.finish_reason, text=self.text)
         if self.call.include_usage:
-            yield chunk(self.id, self.model, {}, with_usage=usage(result), choices=False)
+            yield chunk(self.id, self.model, {}, with_usage=usage(result), choices=False, text=self.text)
         yield "data: [DONE]\n\n"
 
 

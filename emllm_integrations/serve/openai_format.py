@@ -10,7 +10,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from emllm.tools import ParsedReply, check_tools
@@ -58,22 +58,14 @@ class ChatCall:
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     session_id: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None                   # /v1/completions: the raw prompt, read without the chat template
 
 
 def check_chat_request(body: Any, served_model: str, default_max_tokens: int, session_header: str | None
                        ) -> ChatCall:
     """The request as a ChatCall, or RequestError naming the field. Sampling values themselves are checked where
     they are used (sampling.sampling_options), before anything is read."""
-    if not isinstance(body, dict):
-        raise RequestError("The request body must be a JSON object.")
-    unknown = sorted(set(body) - _IGNORED - _SAMPLING - set(_UNSUPPORTED))
-    if unknown:
-        raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
-    for name, accepted in _UNSUPPORTED.items():
-        if name in body and body[name] != accepted and not (accepted is None and body[name] is None):
-            raise RequestError(f"{name}={body[name]!r} is not supported by this server (only {accepted!r}).",
-                               param=name)
+    _check_fields(body, _SAMPLING, _UNSUPPORTED)
     model = body.get("model")
     if model is not None and model != served_model:
         raise RequestError(f"The model {model!r} does not exist here; this server serves {served_model!r} "
@@ -110,6 +102,43 @@ def check_chat_request(body: Any, served_model: str, default_max_tokens: int, se
                  "seed": body.get("seed"), "stop": stop},
         stream=bool(body.get("stream", False)), include_usage=bool(stream_options.get("include_usage", False)),
         tools=tools, tool_choice=body.get("tool_choice"), response_format=response_format, session_id=session)
+
+
+_TEXT_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+_TEXT_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "logit_bias": None,
+                     "presence_penalty": 0, "frequency_penalty": 0}
+
+
+def check_completion_request(body: Any, served_model: str, default_max_tokens: int, session_header: str | None
+                             ) -> ChatCall:
+    """A /v1/completions request (what OpenAILike(is_chat_model=False) sends) as a ChatCall whose ``prompt`` is the
+    raw text: read as it is, without the chat template."""
+    _check_fields(body, _TEXT_FIELDS, _TEXT_UNSUPPORTED)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("prompt must be one non-empty string (several prompts in one request are not supported).",
+                           param="prompt")
+    chat = check_chat_request({**{k: v for k, v in body.items() if k not in _TEXT_UNSUPPORTED and k != "prompt"},
+                               "messages": [{"role": "user", "content": prompt}]},
+                              served_model, default_max_tokens, session_header)
+    chat.text = prompt
+    return chat
+
+
+def _check_fields(body: Any, used: set[str], unsupported: dict[str, Any]) -> None:
+    """Refuse a body that is not an object, a field OpenAI's API does not define for this route, and a field the
+    server cannot honour set to anything but its default."""
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    unknown = sorted(set(body) - _IGNORED - used - set(unsupported))
+    if unknown:
+        raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+    for name, accepted in unsupported.items():
+        if name in body and body[name] != accepted and not (accepted is None and body[name] is None):
+            raise RequestError(f"{name}={body[name]!r} is not supported by this server (only {accepted!r}).",
+                               param=name)
 
 
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
@@ -215,13 +244,22 @@ def completion(call_id: str, model: str, message: dict[str, Any], finish_reason:
             "usage": usage(result)}
 
 
+def text_completion(call_id: str, model: str, text: str, finish_reason: str, result: Any) -> dict[str, Any]:
+    return {"id": call_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+            "usage": usage(result)}
+
+
 def chunk(call_id: str, model: str, delta: dict[str, Any], finish_reason: str | None = None,
-          with_usage: dict[str, Any] | None = None, choices: bool = True) -> str:
-    """One server-sent event of a streamed completion."""
-    body: dict[str, Any] = {"id": call_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                            "model": model,
-                            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                                         "logprobs": None}] if choices else []}
+          with_usage: dict[str, Any] | None = None, choices: bool = True, text: bool = False) -> str:
+    """One server-sent event of a streamed completion (``text``: of /v1/completions, whose choices carry text)."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if text:
+        choice["text"] = delta.get("content", "")
+    else:
+        choice["delta"] = delta
+    body: dict[str, Any] = {"id": call_id, "object": "text_completion" if text else "chat.completion.chunk",
+                            "created": int(time.time()), "model": model, "choices": [choice] if choices else []}
     if with_usage is not None:
         body["usage"] = with_usage
     return f"data: {json.dumps(body)}\n\n"

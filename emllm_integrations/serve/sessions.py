@@ -126,6 +126,20 @@ class Sessions:
     def resident(self) -> int:
         return len(self._resident)
 
+    def stored(self) -> int:
+        """Sessions in the store, every namespace."""
+        return sum(1 for _ in self.root.glob("*/*/manifest.json"))
+
+    def kv_bytes(self) -> dict[str, int]:
+        """KV bytes per tier held by the resident sessions and the anonymous pool (MemoryPool.kv_bytes)."""
+        with self._lock:
+            pools = [session.pool for session in self._resident.values()] + [self.anonymous]
+        held: dict[str, int] = {}
+        for pool in pools:
+            for tier, n in pool.kv_bytes().items():
+                held[tier] = held.get(tier, 0) + n
+        return held
+
     def close(self) -> None:
         with self._lock:
             for session in self._resident.values():

@@ -250,3 +250,34 @@ def test_langchain_openai_chat_model_through_the_server(server):
     message = caller.invoke("How much is a pear? Look up its price.")
     assert message.tool_calls and message.tool_calls[0]["name"] == "lookup_price"
     assert isinstance(message.tool_calls[0]["args"].get("item"), str)
+
+
+def test_llama_index_openai_like_chat_and_completion_through_the_server(server):
+    """OpenAILike as a chat model answers as the raw client does; as a completion model (is_chat_model=False) it
+    calls /v1/completions, whose prompt is read as it is, and a streamed completion joins to the same text."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    common = dict(model=SMOL, api_base=f"{server.url}/v1", api_key=KEYS[0], temperature=0, max_tokens=12,
+                  max_retries=0, timeout=300)
+    chat = OpenAILike(is_chat_model=True, **common)
+    expected = ask(server.client(), first_turn()).choices[0].message.content
+    assert chat.chat([ChatMessage(role="user", content=first_turn()[0]["content"])]).message.content == expected
+    plain = OpenAILike(is_chat_model=False, **common)
+    prompt = "The keeper of the western lighthouse is"
+    text = plain.complete(prompt).text
+    raw = server.client().completions.create(model=SMOL, prompt=prompt, max_tokens=12, temperature=0)
+    assert text == raw.choices[0].text and raw.object == "text_completion" and text.strip()
+    assert "".join(delta.delta for delta in plain.stream_complete(prompt)) == text
+
+
+def test_metrics_count_requests_tokens_and_sessions(server):
+    ask(server.client(), first_turn(), session="counted")
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    values = {line.split(" ")[0]: float(line.split(" ")[-1]) for line in metrics.splitlines()
+              if line and not line.startswith("#")}
+    assert values['emllm_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
+    assert values["emllm_tokens_read_total"] > 0 and values["emllm_tokens_decoded_total"] > 0
+    assert values["emllm_sessions_resident"] >= 1 and values["emllm_sessions_stored"] >= 1
+    assert values['emllm_kv_bytes{tier="ram"}'] > 0
+    assert "counted" not in metrics  # routes are labelled by template, never by a session id

@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
 
-from emllm_integrations.serve.openai_format import RequestError, check_chat_request  # noqa: E402
+from emllm_integrations.serve.openai_format import (RequestError, check_chat_request,
+                                                    check_completion_request)
 
 MODEL = "smollm2"
 
@@ -27,7 +28,8 @@ def test_a_plain_request_becomes_sampling_options():
 
 def test_developer_messages_are_system_and_text_parts_join():
     checked = call(messages=[{"role": "developer", "content": "Be brief."},
-                             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+                             {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                          {"type": "text", "text": "b"}]}])
     assert checked.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"}]
 
 
@@ -68,3 +70,14 @@ def test_a_session_id_comes_from_the_header_then_the_body():
     for bad in ("", ".hidden", "a/b", "a" * 129, "é"):
         with pytest.raises(RequestError, match="session id"):
             call(header=bad) if bad else call(session_id="../" + bad)
+
+
+def test_a_text_completion_reads_its_prompt_as_it_is():
+    checked = check_completion_request({"model": MODEL, "prompt": ["Once upon"], "max_tokens": 4, "echo": False},
+                                       MODEL, 64, None)
+    assert checked.text == "Once upon" and checked.options["max_tokens"] == 4
+    for fields, param in [({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"echo": True}, "echo"),
+                          ({"best_of": 3}, "best_of"), ({"suffix": "x"}, "suffix"), ({"tools": []}, "tools")]:
+        with pytest.raises(RequestError) as refused:
+            check_completion_request({"model": MODEL, "prompt": "a", **fields}, MODEL, 64, None)
+        assert refused.value.param == param
