@@ -9,16 +9,20 @@ least recently used first, and come back from the store on their next request, i
 Requests without a session share one pool keyed by token prefix: an app that resends its whole history each turn
 is served from memory without naming a session.
 
-The store is a local directory: ``ROOT/NAMESPACE/SESSION``, the namespace derived from the API key, so one key's
-sessions are out of reach of another's.
+The store is a local directory or any fsspec URL (``s3://bucket/prefix`` through s3fs): ``ROOT/NAMESPACE/SESSION``,
+the namespace derived from the API key, so one key's sessions are out of reach of another's. A remote save is made
+locally (atomic, checked), uploaded as a new generation, and only then named current by a small pointer object;
+a server killed during an upload leaves the previous generation current.
 """
 
 from __future__ import annotations
 
 import hashlib
 import shutil
+import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,19 +48,108 @@ class Session:
     last_used: float = field(default_factory=time.time)
 
 
+class LocalStore:
+    """Sessions saved in a local directory, each by engine.save_memory (atomic: the old save or the new)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def has(self, key: str) -> bool:
+        return (self.root / key / "manifest.json").exists()
+
+    def save(self, engine: EMEngine, memory: Any, key: str) -> None:
+        (self.root / key).parent.mkdir(parents=True, exist_ok=True)
+        engine.save_memory(memory, self.root / key)
+
+    def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
+        return engine.load_memory(self.root / key, config=config)
+
+    def remove(self, key: str) -> bool:
+        existed = (self.root / key).exists()
+        shutil.rmtree(self.root / key, ignore_errors=True)
+        return existed
+
+    def count(self) -> int:
+        return sum(1 for _ in self.root.glob("*/*/manifest.json"))
+
+    def close(self) -> None:
+        """Nothing to release: the saves are the store."""
+
+
+class RemoteStore:
+    """Sessions in an fsspec location (s3://bucket/prefix, gcs://, memory://...): each save a new generation folder,
+    made current by rewriting ``KEY/current`` once its upload is complete; older generations are removed after."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.root = self.root.rstrip("/")
+        self.fs.makedirs(self.root, exist_ok=True)
+        self.staging = Path(tempfile.mkdtemp(prefix="emllm-serve-"))
+
+    def _current(self, key: str) -> str | None:
+        pointer = f"{self.root}/{key}/current"
+        return self.fs.cat_file(pointer).decode().strip() if self.fs.exists(pointer) else None
+
+    def has(self, key: str) -> bool:
+        return self._current(key) is not None
+
+    def save(self, engine: EMEngine, memory: Any, key: str) -> None:
+        generation = f"g{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+        local = self.staging / generation
+        engine.save_memory(memory, local)
+        try:
+            self.fs.put(str(local), f"{self.root}/{key}/{generation}", recursive=True)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+        old = self._current(key)
+        self.fs.pipe_file(f"{self.root}/{key}/current", generation.encode())
+        if old is not None:
+            self.fs.rm(f"{self.root}/{key}/{old}", recursive=True)
+
+    def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
+        generation = self._current(key)
+        local = self.staging / f"load-{uuid.uuid4().hex}"
+        self.fs.get(f"{self.root}/{key}/{generation}", str(local), recursive=True)
+        try:
+            return engine.load_memory(local, config=config)
+        finally:
+            shutil.rmtree(local, ignore_errors=True)  # a loaded memory keeps nothing open in its save folder
+
+    def remove(self, key: str) -> bool:
+        existed = self.fs.exists(f"{self.root}/{key}")
+        if existed:
+            self.fs.rm(f"{self.root}/{key}", recursive=True)
+        return existed
+
+    def count(self) -> int:
+        return len(self.fs.glob(f"{self.root}/*/*/current"))
+
+    def close(self) -> None:
+        """Remove the local staging folder (saves on their way up, loads on their way in)."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def open_store(location: str | Path) -> LocalStore | RemoteStore:
+    """A local directory, or an fsspec URL (anything with "://")."""
+    return RemoteStore(str(location)) if "://" in str(location) else LocalStore(location)
+
+
 class Sessions:
     """Resident sessions (LRU), the store behind them, and the anonymous pool."""
 
     def __init__(self, engine: EMEngine, config: EMConfig, store: str | Path, max_resident: int = 64):
         self.engine, self.config, self.max_resident = engine, config, max_resident
-        self.root = Path(store).expanduser()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.store = open_store(store)
         self.anonymous = MemoryPool(engine, config, max_memories=ANONYMOUS_CONVERSATIONS)
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._lock = threading.Lock()
 
-    def path(self, space: str, session_id: str) -> Path:
-        return self.root / space / session_id
+    @staticmethod
+    def key(space: str, session_id: str) -> str:
+        return f"{space}/{session_id}"
 
     @contextmanager
     def turn(self, space: str, session_id: str) -> Iterator[Session]:
@@ -74,9 +167,8 @@ class Sessions:
                 self._resident.move_to_end(key)
                 return session
             pool = MemoryPool(self.engine, self.config, max_memories=1)
-            saved = self.path(space, session_id)
-            if (saved / "manifest.json").exists():
-                pool.adopt(self.engine.load_memory(saved, config=self.config))
+            if self.store.has(self.key(space, session_id)):
+                pool.adopt(self.store.load(self.engine, self.key(space, session_id), self.config))
             session = self._resident[key] = Session(pool)
             while len(self._resident) > self.max_resident:
                 _, old = self._resident.popitem(last=False)
@@ -89,8 +181,7 @@ class Sessions:
         memory = session.pool.acquire(conversation)
         try:
             if memory.total_tokens:
-                self.path(space, session_id).parent.mkdir(parents=True, exist_ok=True)
-                self.engine.save_memory(memory, self.path(space, session_id))
+                self.store.save(self.engine, memory, self.key(space, session_id))
         finally:
             memory.close()
 
@@ -99,11 +190,11 @@ class Sessions:
         key = (space, session_id)
         with self._lock:
             session = self._resident.get(key)
-        saved = self.path(space, session_id)
-        if session is None and not (saved / "manifest.json").exists():
+        stored = self.store.has(self.key(space, session_id))
+        if session is None and not stored:
             return None
         info: dict[str, Any] = {"id": session_id, "object": "session", "resident": session is not None,
-                                "stored": (saved / "manifest.json").exists()}
+                                "stored": stored}
         if session is not None:
             info["last_used"] = int(session.last_used)
             info["checkpoints"] = session.pool.num_checkpoints
@@ -117,10 +208,8 @@ class Sessions:
         if session is not None:
             with session.lock:
                 session.pool.close()
-        saved = self.path(space, session_id)
-        existed = session is not None or saved.exists()
-        shutil.rmtree(saved, ignore_errors=True)
-        return existed
+        removed = self.store.remove(self.key(space, session_id))
+        return session is not None or removed
 
     @property
     def resident(self) -> int:
@@ -128,7 +217,7 @@ class Sessions:
 
     def stored(self) -> int:
         """Sessions in the store, every namespace."""
-        return sum(1 for _ in self.root.glob("*/*/manifest.json"))
+        return self.store.count()
 
     def kv_bytes(self) -> dict[str, int]:
         """KV bytes per tier held by the resident sessions and the anonymous pool (MemoryPool.kv_bytes)."""
@@ -146,3 +235,4 @@ class Sessions:
                 session.pool.close()
             self._resident.clear()
         self.anonymous.close()
+        self.store.close()

@@ -41,9 +41,9 @@ def free_port() -> int:
 
 
 class Server:
-    """One `emllm serve` process on a free loopback port, over a session store."""
+    """One `emllm serve` process on a free loopback port, over a session store (a folder or a URL)."""
 
-    def __init__(self, store: Path, *extra: str):
+    def __init__(self, store: Path | str, *extra: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in LAYOUT.items()]
@@ -51,7 +51,7 @@ class Server:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "emllm_integrations.cli", "serve", "--model", SMOL, "--preset", "S", *flags,
              "--host", "127.0.0.1", "--port", str(self.port), "--sessions", str(store), *keys, *extra],
-            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {})), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -281,3 +281,61 @@ def test_metrics_count_requests_tokens_and_sessions(server):
     assert values["emllm_sessions_resident"] >= 1 and values["emllm_sessions_stored"] >= 1
     assert values['emllm_kv_bytes{tier="ram"}'] > 0
     assert "counted" not in metrics  # routes are labelled by template, never by a session id
+
+
+@pytest.fixture
+def s3_endpoint() -> Iterator[dict[str, str]]:
+    """A real S3-compatible endpoint (moto's server) on 127.0.0.1 with one bucket; the environment that points boto
+    at it, as a user's credentials and endpoint would."""
+    pytest.importorskip("s3fs", reason="the [s3] extra is not installed")
+    server_module = pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
+    port = free_port()
+    moto = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    moto.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        s3fs.S3FileSystem(endpoint_url=env["AWS_ENDPOINT_URL"]).mkdir("emllm-sessions")
+        yield env
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        moto.stop()
+
+
+def test_sessions_in_an_s3_bucket_survive_a_kill(s3_endpoint):
+    """The store is s3://bucket/prefix through s3fs: a session continued on a new server after kill -9 reads only
+    its new tokens and answers as a session that never left the first server."""
+    import s3fs
+
+    url = "s3://emllm-sessions/team"
+    first = Server(url, env=s3_endpoint)
+    try:
+        client = first.client()
+        one = ask(client, first_turn(), session="traveller")
+        ask(client, first_turn(), session="homebody")
+        staying = ask(client, second_turn(one.choices[0].message.content), session="homebody")
+    finally:
+        first.kill()
+    second = Server(url, env=s3_endpoint)
+    try:
+        resumed = ask(second.client(), second_turn(one.choices[0].message.content), session="traveller")
+    finally:
+        second.stop()
+    assert resumed.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+    assert resumed.choices[0].message.content == staying.choices[0].message.content
+    bucket = s3fs.S3FileSystem(endpoint_url=s3_endpoint["AWS_ENDPOINT_URL"])
+    sessions = bucket.glob("emllm-sessions/team/*/*/current")
+    assert len(sessions) == 2
+    for pointer in sessions:
+        folder = pointer.rsplit("/", 1)[0]
+        generations = [p for p in bucket.ls(folder) if not p.endswith("/current")]
+        assert generations == [f"{folder}/{bucket.cat_file(pointer).decode()}"]  # older generations are gone
