@@ -34,6 +34,9 @@ def add_parser(sub: Any, common: Any) -> None:
     parser.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413 (default 8)")
     parser.add_argument("--default-max-tokens", type=int, default=512,
                         help="answer length when a request gives none (default 512)")
+    parser.add_argument("--max-messages", type=int, default=1000, help="messages per request (default 1000)")
+    parser.add_argument("--max-concurrent", type=int, default=32,
+                        help="requests answered at once; more get 429 with Retry-After (default 32)")
     parser.set_defaults(run=serve)
 
 
@@ -52,14 +55,17 @@ def serve(args: argparse.Namespace) -> int:
     from ..cli import engine_fields
 
     config = EMConfig.from_preset(args.preset, **config_overrides(engine_fields(args)))  # refused before loading
-    if args.max_resident_sessions < 1 or args.max_body_mb <= 0 or args.default_max_tokens < 1:
-        raise ValueError("--max-resident-sessions and --default-max-tokens must be >= 1, --max-body-mb > 0.")
+    if min(args.max_resident_sessions, args.default_max_tokens, args.max_messages, args.max_concurrent) < 1 \
+            or args.max_body_mb <= 0:
+        raise ValueError("--max-resident-sessions, --default-max-tokens, --max-messages and --max-concurrent must "
+                         "be >= 1, --max-body-mb > 0.")
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     engine = shared_engine(args.model)
     config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
     settings = ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
                              max_resident_sessions=args.max_resident_sessions,
-                             max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens)
+                             max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
+                             max_messages=args.max_messages, max_concurrent=args.max_concurrent)
     app = create_app(engine, config, settings)
     print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
           f"{args.sessions}", file=sys.stderr, flush=True)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,6 +43,8 @@ class ServeSettings:
     max_resident_sessions: int = 64       # sessions kept in RAM; the rest come back from the store
     max_body_bytes: int = 8 * 2**20       # larger requests get 413
     default_max_tokens: int = 512         # when a request gives neither max_tokens nor max_completion_tokens
+    max_messages: int = 1000              # more messages in one request get 413
+    max_concurrent: int = 32              # requests answered at once; more get 429 with Retry-After
 
 
 def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> FastAPI:
@@ -103,22 +107,35 @@ def create_app(engine: EMEngine, config: EMConfig, settings: ServeSettings) -> F
             return _error(RequestError(f"No session {session_id!r}.", status=404, code="session_not_found"))
         return {"id": session_id, "object": "session", "deleted": True}
 
+    slots = threading.BoundedSemaphore(settings.max_concurrent)
+
     async def complete(request: Request, check: Any) -> Any:
-        """A completion route: the body checked by ``check`` (its OpenAI shape), then answered or streamed."""
+        """A completion route: the body checked by ``check`` (its OpenAI shape), then answered or streamed, holding
+        one of max_concurrent slots until its answer ends."""
         try:
             body = await request.json()
         except ValueError:
             return _error(RequestError("The request body is not valid JSON."))
+        if isinstance(body, dict) and isinstance(body.get("messages"), list) \
+                and len(body["messages"]) > settings.max_messages:
+            return _error(RequestError(f"{len(body['messages'])} messages are more than this server's "
+                                       f"{settings.max_messages}.", status=413, param="messages"))
+        if not slots.acquire(blocking=False):
+            return _error(RequestError(f"The server is answering {settings.max_concurrent} requests; retry shortly.",
+                                       status=429, code="rate_limit_exceeded"), {"Retry-After": "1"})
+        slot = _Slot(slots)
         try:
             call = check(body, model, settings.default_max_tokens, request.headers.get("x-session-id"))
             turn = _Turn(engine, sessions, call, _space(request, settings), model, metrics)
             if call.stream:
-                return StreamingResponse(turn.events(), media_type="text/event-stream")
+                return StreamingResponse(slot.held_by(turn.events()), media_type="text/event-stream")
             return await _in_thread(turn.answer)
         except RequestError as error:
             return _error(error)
         except (TypeError, ValueError) as error:  # refused by the engine before it read anything
             return _error(RequestError(str(error)))
+        finally:
+            slot.release_unless_held()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -251,8 +268,40 @@ def _check_session_id(session_id: str) -> None:
                            param="session_id")
 
 
-def _error(error: RequestError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class _Slot:
+    """One of max_concurrent places, given back exactly once: when the answer ends, or, for a stream, when the
+    stream ends however it ends (a client gone, or a stream never started and dropped)."""
+
+    def __init__(self, slots: threading.BoundedSemaphore):
+        self._slots, self._held, self._released = slots, False, False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._slots.release()
+
+    def release_unless_held(self) -> None:
+        if not self._held:
+            self.release()
+
+    def held_by(self, events: Iterator[str]) -> Iterator[str]:
+        self._held = True
+
+        def stream() -> Iterator[str]:
+            try:
+                yield from events
+            finally:
+                self.release()
+
+        held = stream()
+        weakref.finalize(held, self.release)
+        return held
 
 
 async def _in_thread(function: Any) -> Any:

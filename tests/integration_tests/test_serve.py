@@ -176,7 +176,8 @@ def test_sessions_belong_to_their_key(server):
 
 
 @pytest.mark.parametrize("case", ["no key", "wrong key", "escaping session", "n=2", "logprobs", "image",
-                                  "malformed json", "unknown field", "unknown model", "big body", "bad stop"])
+                                  "malformed json", "unknown field", "unknown model", "big body", "bad stop",
+                                  "many messages"])
 def test_refusals_come_in_openais_format_and_the_server_goes_on(server, case):
     headers = {"Authorization": f"Bearer {KEYS[0]}", "Content-Type": "application/json"}
     body = {"model": SMOL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -207,6 +208,9 @@ def test_refusals_come_in_openais_format_and_the_server_goes_on(server, case):
         expected = 413
     elif case == "bad stop":
         body["stop"] = [""]
+    elif case == "many messages":
+        body["messages"] = [{"role": "user", "content": "hi"}] * 1001
+        expected = 413
     response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=60,
                           content=raw if raw is not None else json.dumps(body).encode())
     assert response.status_code == expected, response.text
@@ -339,3 +343,29 @@ def test_sessions_in_an_s3_bucket_survive_a_kill(s3_endpoint):
         folder = pointer.rsplit("/", 1)[0]
         generations = [p for p in bucket.ls(folder) if not p.endswith("/current")]
         assert generations == [f"{folder}/{bucket.cat_file(pointer).decode()}"]  # older generations are gone
+
+
+def test_more_requests_than_allowed_get_429_with_retry_after(store):
+    """With --max-concurrent 1, a request while a stream is open is refused (429, Retry-After) and the next one after
+    the stream ends is served: the slot comes back when a stream ends."""
+    limited = Server(store, "--max-concurrent", "1")
+    try:
+        client = limited.client()
+        stream = client.chat.completions.create(model=SMOL, messages=first_turn(), max_tokens=40, temperature=0,
+                                                stream=True)
+        next(iter(stream))  # the stream holds the only slot
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask(client, [{"role": "user", "content": "hi"}], max_tokens=2)
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert refused.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        stream.close()
+        deadline = time.monotonic() + 60
+        while True:  # the server sees the closed stream at its next write
+            try:
+                assert ask(client, [{"role": "user", "content": "hi"}], max_tokens=2).choices
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "the slot never came back"
+                time.sleep(0.5)
+    finally:
+        limited.stop()
