@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="run every cell in this process (faster to start; peak RSS then only grows)")
     p_bench.set_defaults(run=bench)
     parts.add_parser(sub)
-    serve.add_parser(sub, common)
+    serve.add_parser(sub, common, engine_fields)
 
     args = parser.parse_args(argv)
     if args.run is bench:  # bench reports its own errors, cell by cell

@@ -19,8 +19,9 @@ __all__ = ["add_parser", "serve"]  # the app itself: emllm_integrations.serve.ap
 INSTALL = "pip install 'emllm-integrations[serve]'"
 
 
-def add_parser(sub: Any, common: Any) -> None:
-    """The `serve` subcommand of the `emllm` command line; ``common`` adds the model and engine flags."""
+def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:
+    """The `serve` subcommand of the `emllm` command line; ``common`` adds the model and engine flags, and
+    ``engine_fields(args)`` reads them back."""
     parser = sub.add_parser("serve", help="an OpenAI-compatible server whose sessions keep their memory")
     common(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -37,7 +38,7 @@ def add_parser(sub: Any, common: Any) -> None:
     parser.add_argument("--max-messages", type=int, default=1000, help="messages per request (default 1000)")
     parser.add_argument("--max-concurrent", type=int, default=32,
                         help="requests answered at once; more get 429 with Retry-After (default 32)")
-    parser.set_defaults(run=serve)
+    parser.set_defaults(run=serve, engine_fields=engine_fields)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -52,9 +53,8 @@ def serve(args: argparse.Namespace) -> int:
     from emllm import EMConfig, shared_engine
 
     from ..bench import config_overrides
-    from ..cli import engine_fields
 
-    config = EMConfig.from_preset(args.preset, **config_overrides(engine_fields(args)))  # refused before loading
+    config = EMConfig.from_preset(args.preset, **config_overrides(args.engine_fields(args)))  # refused before loading
     if min(args.max_resident_sessions, args.default_max_tokens, args.max_messages, args.max_concurrent) < 1 \
             or args.max_body_mb <= 0:
         raise ValueError("--max-resident-sessions, --default-max-tokens, --max-messages and --max-concurrent must "
