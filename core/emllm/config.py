@@ -94,8 +94,7 @@ class EMConfig:
     offload_dir: str | None = None
     """Where disk pages go (a private temporary folder inside it, removed on close). None = system temp."""
     disk_budget_mb: float | None = None
-    """Disk for one memory's offloaded pages; a read that would not fit (its pages beside the event index it grows) is
-    refused before it starts, and one that runs out part-way leaves the memory as it was. None = no limit."""
+    """Disk for one memory's pages; a read that cannot fit is refused first, one cut short leaves it as it was."""
     max_input_tokens: int | None = None
     """Refuse inputs longer than this before any work starts. None = no limit."""
 
