@@ -62,6 +62,16 @@ def serve(args: argparse.Namespace) -> int:
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     engine = shared_engine(args.model)
     config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
+    # Paid here, not by the first request: the weights' fingerprint that every session save and load is matched to
+    # (hashing the weight files: about 1 s a GB), and a process's first forward, slower than the rest.
+    from emllm.models import weights_fingerprint
+
+    weights_fingerprint(engine.model)
+    memory = engine.new_memory(config)
+    try:
+        engine.generate("Warm up.", memory=memory, max_new_tokens=1)
+    finally:
+        memory.close()
     settings = ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
                              max_resident_sessions=args.max_resident_sessions,
                              max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,

@@ -201,10 +201,25 @@ class _Turn:
             stream = session.pool.stream(self.prompt, **self.options)
             yield from stream
             result = stream.result
-            ids = self.engine.encode_prompt(self.prompt, self.options.get("tools")).ids
-            self.sessions.save(self.space, self.call.session_id, session, list(ids) + result.token_ids)
+            self.sessions.save(self.space, self.call.session_id, session, self._resent(result))
             self.metrics.answered(result)
             yield result
+
+    def _resent(self, result: Any) -> list[int]:
+        """The tokens the conversation's next request begins with: this prompt and the answer as the client sends
+        it back (its text, re-rendered by the template). The session saves the longest memory that is a prefix of
+        them: the answered one when the answer's text tokenises as it was generated, else the one before it."""
+        if self.text:
+            return self.engine.prompt_ids(self.prompt + result.text)
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if self.schemas is not None:
+            reply = parse_reply(result.text, self.schemas)
+            message = {"role": "assistant", "content": reply.content,
+                       "tool_calls": [{"id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": call.arguments}}
+                                      for call in reply.calls]}
+        return self.engine.chat_ids([*self.prompt, message], add_generation_prompt=False,
+                                    tools=self.options.get("tools"))
 
     def answer(self) -> dict[str, Any]:
         *_, result = self._generate()
