@@ -79,5 +79,6 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(engine, config, settings)
     print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
           f"{args.sessions}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    # SIGTERM: stop accepting, let open requests finish (at most 60 s), then close every session (all saved).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60)
     return 0

@@ -87,7 +87,6 @@ class RemoteStore:
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.root = self.root.rstrip("/")
         self.fs.makedirs(self.root, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix="emllm-serve-"))
 
     def _current(self, key: str) -> str | None:
         pointer = f"{self.root}/{key}/current"
@@ -98,12 +97,9 @@ class RemoteStore:
 
     def save(self, engine: EMEngine, memory: Any, key: str) -> None:
         generation = f"g{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-        local = self.staging / generation
-        engine.save_memory(memory, local)
-        try:
-            self.fs.put(str(local), f"{self.root}/{key}/{generation}", recursive=True)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+        with tempfile.TemporaryDirectory(prefix="emllm-save-") as staging:  # the save, on its way up
+            engine.save_memory(memory, Path(staging) / generation)
+            self.fs.put(str(Path(staging) / generation), f"{self.root}/{key}/{generation}", recursive=True)
         old = self._current(key)
         self.fs.pipe_file(f"{self.root}/{key}/current", generation.encode())
         if old is not None:
@@ -111,12 +107,11 @@ class RemoteStore:
 
     def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
         generation = self._current(key)
-        local = self.staging / f"load-{uuid.uuid4().hex}"
-        self.fs.get(f"{self.root}/{key}/{generation}", str(local), recursive=True)
-        try:
-            return engine.load_memory(local, config=config)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)  # a loaded memory keeps nothing open in its save folder
+        if generation is None:
+            raise FileNotFoundError(f"No session {key!r} in {self.root}.")
+        with tempfile.TemporaryDirectory(prefix="emllm-load-") as staging:  # a loaded memory keeps nothing open here
+            self.fs.get(f"{self.root}/{key}/{generation}", f"{staging}/{generation}", recursive=True)
+            return engine.load_memory(Path(staging) / generation, config=config)
 
     def remove(self, key: str) -> bool:
         existed = self.fs.exists(f"{self.root}/{key}")
@@ -128,8 +123,7 @@ class RemoteStore:
         return len(self.fs.glob(f"{self.root}/*/*/current"))
 
     def close(self) -> None:
-        """Remove the local staging folder (saves on their way up, loads on their way in)."""
-        shutil.rmtree(self.staging, ignore_errors=True)
+        """Nothing to release: each save and load stages in a temporary folder of its own."""
 
 
 def open_store(location: str | Path) -> LocalStore | RemoteStore:

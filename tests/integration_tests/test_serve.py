@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,22 +49,28 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in LAYOUT.items()]
         keys = [f"--api-key={key}" for key in KEYS]
+        self.log_path = Path(tempfile.mkstemp(prefix=f"emllm-serve-{self.port}-", suffix=".log")[1])
+        self._log = self.log_path.open("w")  # a file, not a pipe: a pipe nobody drains would block the server
         self.process = subprocess.Popen(
             [sys.executable, "-m", "emllm_integrations.cli", "serve", "--model", SMOL, "--preset", "S", *flags,
              "--host", "127.0.0.1", "--port", str(self.port), "--sessions", str(store), *keys, *extra],
             env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {})), stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True)
+            stderr=self._log)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stderr.read()}")
+                raise RuntimeError(f"the server exited: {self.log()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 time.sleep(0.5)
+        log = self.log()
         self.stop()
-        raise RuntimeError("the server did not answer /health within 180 s")
+        raise RuntimeError(f"the server did not answer /health within 180 s: {log[-2000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
 
     def client(self, key: str = KEYS[0]) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=300, max_retries=0)
@@ -72,6 +79,7 @@ class Server:
         """kill -9: no shutdown, no saving."""
         self.process.send_signal(signal.SIGKILL)
         self.process.wait(timeout=30)
+        self._forget_log()
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -80,6 +88,11 @@ class Server:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._forget_log()
+
+    def _forget_log(self) -> None:
+        self._log.close()
+        self.log_path.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +382,24 @@ def test_more_requests_than_allowed_get_429_with_retry_after(store):
                 time.sleep(0.5)
     finally:
         limited.stop()
+
+
+def test_sigterm_lets_an_open_stream_finish_then_exits(store):
+    """SIGTERM while an answer streams: the stream still ends with its finish reason, its turn is saved, and the
+    process shuts down on its own, without a traceback."""
+    stopping = Server(store)
+    client = stopping.client()
+    stream = client.chat.completions.create(model=SMOL, messages=first_turn(), max_tokens=30, temperature=0,
+                                            stream=True, extra_headers={"X-Session-Id": "sigterm"})
+    chunks = iter(stream)
+    next(chunks)
+    stopping.process.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest and rest[-1].choices[0].finish_reason in ("stop", "length")
+    # uvicorn shuts down gracefully, then re-raises the signal so that the exit status says why it stopped
+    assert stopping.process.wait(timeout=90) in (0, -signal.SIGTERM)
+    log = stopping.log()
+    assert "Waiting for connections to close" in log or "Finished server process" in log, log[-2000:]
+    assert "Traceback" not in log, log[-2000:]
+    assert list(store.glob("*/sigterm/manifest.json"))  # the streamed turn was saved before the exit
+    stopping.stop()
