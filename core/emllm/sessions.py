@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -98,20 +99,31 @@ class MemoryPool:
     def _checkpoints(self) -> list[EpisodicMemory]:
         return self._pinned + list(self._recent.values())
 
+    def _longest(self, ids: Sequence[int]) -> EpisodicMemory | None:
+        """The kept checkpoint whose tokens are the longest prefix of ``ids``, marked recently used (under the lock)."""
+        best: EpisodicMemory | None = None
+        for memory in self._checkpoints():
+            n = memory.total_tokens
+            if (best is None or n > best.total_tokens) and n <= len(ids) and memory.last_logits is not None \
+                    and memory.token_ids == list(ids[:n]):
+                best = memory
+        if best is not None and id(best) in self._recent:
+            self._recent.move_to_end(id(best))
+        return best
+
     def acquire(self, ids: Sequence[int]) -> EpisodicMemory:
         """A memory of the caller's own whose tokens are the longest kept prefix of ``ids`` (possibly none)."""
         with self._lock:
-            best: EpisodicMemory | None = None
-            for memory in self._checkpoints():
-                n = memory.total_tokens
-                if (best is None or n > best.total_tokens) and n <= len(ids) and memory.last_logits is not None \
-                        and memory.token_ids == list(ids[:n]):
-                    best = memory
-            if best is None:
-                return self.engine.new_memory(self.config)
-            if id(best) in self._recent:
-                self._recent.move_to_end(id(best))
-            return best.fork()
+            best = self._longest(ids)
+            return self.engine.new_memory(self.config) if best is None else best.fork()
+
+    @contextmanager
+    def held(self, ids: Sequence[int]) -> Iterator[EpisodicMemory | None]:
+        """The kept checkpoint that has read the longest prefix of ``ids`` (None if none has), itself rather than a
+        fork, for a caller that only reads it (e.g. saves it): a fork would copy its window and index for nothing.
+        The pool's other calls wait until the block ends, so the checkpoint cannot be evicted while in use."""
+        with self._lock:
+            yield self._longest(ids)
 
     def keep(self, memory: EpisodicMemory) -> None:
         """Keep a memory (no longer used by its caller) as a checkpoint; the least recent beyond max are closed."""

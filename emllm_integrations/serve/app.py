@@ -22,14 +22,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from emllm import EMConfig, EMEngine
-from emllm.tools import ReplyStream, ToolCall, ToolSchemas, parse_reply
+from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas, parse_reply
 
 from ..response_format import response_grammar, with_format_request
 from ..sampling import sampling_options
 from ..tool_choice import tool_decoding
 from .metrics import Metrics
 from .openai_format import (SESSION_ID, ChatCall, RequestError, check_chat_request, check_completion_request, chunk,
-                            completion, completion_id, error_body, message_of, text_completion, usage)
+                            completion, completion_id, error_body, invalid_call_text, message_of, returned_message,
+                            text_completion, tool_call_json, usage)
 from .sessions import Sessions, namespace
 
 log = logging.getLogger("emllm.serve")
@@ -194,6 +195,7 @@ class _Turn:
         if self.call.session_id is None:
             stream = self.sessions.anonymous.stream(self.prompt, **self.options)
             yield from stream
+            self.sessions.anonymous_turn_ended()
             self.metrics.answered(stream.result)
             yield stream.result
             return
@@ -207,27 +209,39 @@ class _Turn:
 
     def _resent(self, result: Any) -> list[int]:
         """The tokens the conversation's next request begins with: this prompt and the answer as the client sends
-        it back (its text, re-rendered by the template). The session saves the longest memory that is a prefix of
-        them: the answered one when the answer's text tokenises as it was generated, else the one before it."""
+        it back (the message this server answered, as check_chat_request reads it, re-rendered by the template). The
+        session saves the longest memory that is a prefix of them: the answered one when the answer's text tokenises
+        as it was generated, else the one before it."""
         if self.text:
             return self.engine.prompt_ids(self.prompt + result.text)
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        if self.schemas is not None:
-            reply = parse_reply(result.text, self.schemas)
-            message = {"role": "assistant", "content": reply.content,
-                       "tool_calls": [{"id": call.id, "type": "function",
-                                       "function": {"name": call.name, "arguments": call.arguments}}
-                                      for call in reply.calls]}
-        return self.engine.chat_ids([*self.prompt, message], add_generation_prompt=False,
-                                    tools=self.options.get("tools"))
+        return self.engine.chat_ids([*self.prompt, returned_message(self._message(result)[0])],
+                                    add_generation_prompt=False, tools=self.options.get("tools"))
+
+    def _message(self, result: Any) -> tuple[dict[str, Any], str | None]:
+        """(the assistant message answered, "tool_calls" when it calls tools, else None)."""
+        if self.schemas is None:
+            return {"role": "assistant", "content": result.text}, None
+        return message_of(parse_reply(result.text, self.schemas))
 
     def answer(self) -> dict[str, Any]:
         *_, result = self._generate()
         if self.text:
             return text_completion(self.id, self.model, result.text, result.finish_reason, result)
-        message, calls = message_of(parse_reply(result.text, self.schemas)) if self.schemas else (
-            {"role": "assistant", "content": result.text}, None)
+        message, calls = self._message(result)
         return completion(self.id, self.model, message, calls or result.finish_reason, result)
+
+    def _parts(self) -> Iterator[Any]:
+        """The answer as a client streams it: text pieces (with tools: text outside calls, each whole call once it
+        closes, and a call that breaks its schema as text with the reason, as a whole answer keeps it), then, last,
+        the GenerationResult."""
+        replies = ReplyStream(self.schemas) if self.schemas else None
+        for piece in self._generate():
+            if not isinstance(piece, str):
+                if replies:
+                    yield from map(_text_unless_valid, replies.close())
+                yield piece
+                return
+            yield from (map(_text_unless_valid, replies.feed(piece)) if replies else [piece])
 
     def events(self) -> Iterator[str]:
         """Server-sent events: the role, the text deltas (with tools: text pieces and each whole call), the finish
@@ -235,26 +249,17 @@ class _Turn:
         event in OpenAI's format."""
         if not self.text:
             yield chunk(self.id, self.model, {"role": "assistant", "content": ""})
-        replies = ReplyStream(self.schemas) if self.schemas else None
         calls = 0
         try:
-            for piece in self._generate():
-                if not isinstance(piece, str):
-                    result = piece
-                    break
-                for part in (replies.feed(piece) if replies else [piece]):
-                    if isinstance(part, ToolCall):
-                        yield chunk(self.id, self.model, {"tool_calls": [_call_delta(part, calls)]})
-                        calls += 1
-                    elif isinstance(part, str) and part:
+            for part in self._parts():
+                if isinstance(part, ToolCall):
+                    yield chunk(self.id, self.model, {"tool_calls": [{"index": calls, **tool_call_json(part)}]})
+                    calls += 1
+                elif isinstance(part, str):
+                    if part:
                         yield chunk(self.id, self.model, {"content": part}, text=self.text)
-            if replies:
-                for part in replies.close():
-                    if isinstance(part, ToolCall):
-                        yield chunk(self.id, self.model, {"tool_calls": [_call_delta(part, calls)]})
-                        calls += 1
-                    elif isinstance(part, str) and part:
-                        yield chunk(self.id, self.model, {"content": part})
+                else:
+                    result = part
         except Exception as error:  # the stream has begun: the error goes in the stream
             log.exception("streamed request failed")
             yield f"data: {json.dumps(error_body(f'{type(error).__name__}: {error}', 'server_error'))}\n\n"
@@ -265,9 +270,8 @@ class _Turn:
         yield "data: [DONE]\n\n"
 
 
-def _call_delta(call: ToolCall, index: int) -> dict[str, Any]:
-    return {"index": index, "id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+def _text_unless_valid(part: str | ToolCall | InvalidToolCall) -> str | ToolCall:
+    return invalid_call_text(part) if isinstance(part, InvalidToolCall) else part
 
 
 def _space(request: Request, settings: ServeSettings) -> str:

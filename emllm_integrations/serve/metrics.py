@@ -12,7 +12,9 @@ from .sessions import Sessions
 
 
 class Metrics:
-    """Requests, latency, tokens read and decoded, sessions resident and stored, and KV bytes per memory tier."""
+    """Requests, latency, tokens read and decoded, sessions resident and stored, and KV bytes per memory tier.
+
+    The gauges read counts Sessions keeps as sessions change: a scrape walks no memory and lists no store."""
 
     def __init__(self, sessions: Sessions):
         self.registry = CollectorRegistry()
@@ -29,7 +31,7 @@ class Metrics:
         Gauge("emllm_sessions_resident", "Sessions held in RAM", registry=self.registry).set_function(
             lambda: sessions.resident)
         Gauge("emllm_sessions_stored", "Sessions in the store", registry=self.registry).set_function(
-            sessions.stored)
+            lambda: sessions.stored)
         tiers = Gauge("emllm_kv_bytes", "KV bytes held by resident memories, per tier", ["tier"],
                       registry=self.registry)
         for tier in ("device", "ram", "disk"):

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from emllm.tools import ParsedReply, check_tools
+from emllm.tools import InvalidToolCall, ParsedReply, ToolCall, check_tools
 
 SESSION_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 """A session id: letters, digits, '.', '_' and '-', up to 128, not starting with '.': a file name in the store."""
@@ -225,16 +225,30 @@ def message_of(reply: ParsedReply) -> tuple[dict[str, Any], str | None]:
     their schema are not passed on as calls: their text stays in the content, so nothing is lost."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
     if reply.invalid:
-        kept = "\n".join(f"<tool_call>{call.text}</tool_call> ({call.error})" for call in reply.invalid)
+        kept = "\n".join(invalid_call_text(call) for call in reply.invalid)
         message["content"] = f"{reply.content}\n{kept}".strip()
     if reply.calls:
-        message["tool_calls"] = [{"id": call.id, "type": "function",
-                                  "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-                                 for call in reply.calls]
+        message["tool_calls"] = [tool_call_json(call) for call in reply.calls]
         return message, "tool_calls"
     if message["content"] is None:
         message["content"] = ""
     return message, None
+
+
+def invalid_call_text(call: InvalidToolCall) -> str:
+    """A call that breaks its schema, passed on as text with the reason (never as a call, never dropped)."""
+    return f"<tool_call>{call.text}</tool_call> ({call.error})"
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A tool call as OpenAI's API sends it: its arguments a JSON string."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+
+
+def returned_message(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message this server answered, as the engine reads it when the client sends it back in its next
+    request (check_chat_request's reading: arguments parsed, no content made empty)."""
+    return _check_messages([message])[0]
 
 
 def completion(call_id: str, model: str, message: dict[str, Any], finish_reason: str, result: Any

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from emllm import EMConfig, EMEngine, MemoryPool
+from emllm.persistence import MANIFEST, read_metadata
 
 ANONYMOUS_CONVERSATIONS = 8
 """Conversations the pool of requests without a session keeps resumable."""
@@ -46,6 +47,14 @@ class Session:
     pool: MemoryPool
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.time)
+    kv_bytes: dict[str, int] = field(default_factory=dict)  # its pool's, counted after each turn (for /metrics)
+
+
+def summary(memory: Any) -> dict[str, Any]:
+    """What a save records about its memory (in the manifest's metadata), shown by GET /v1/sessions/{id}."""
+    per_token = memory.store.page_bytes // memory.store.page_tokens
+    return {"tokens": memory.total_tokens, "events": memory.num_events, "saved_at": int(time.time()),
+            "kv_bytes": {tier: tokens * per_token for tier, tokens in memory.store.tier_tokens().items()}}
 
 
 class LocalStore:
@@ -60,10 +69,14 @@ class LocalStore:
 
     def save(self, engine: EMEngine, memory: Any, key: str) -> None:
         (self.root / key).parent.mkdir(parents=True, exist_ok=True)
-        engine.save_memory(memory, self.root / key)
+        engine.save_memory(memory, self.root / key, metadata=summary(memory))
 
     def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
         return engine.load_memory(self.root / key, config=config)
+
+    def summary(self, key: str) -> dict[str, Any]:
+        """The saved memory's summary, from its verified manifest."""
+        return read_metadata(self.root / key)
 
     def remove(self, key: str) -> bool:
         existed = (self.root / key).exists()
@@ -98,7 +111,7 @@ class RemoteStore:
     def save(self, engine: EMEngine, memory: Any, key: str) -> None:
         generation = f"g{time.time_ns()}-{uuid.uuid4().hex[:8]}"
         with tempfile.TemporaryDirectory(prefix="emllm-save-") as staging:  # the save, on its way up
-            engine.save_memory(memory, Path(staging) / generation)
+            engine.save_memory(memory, Path(staging) / generation, metadata=summary(memory))
             self.fs.put(str(Path(staging) / generation), f"{self.root}/{key}/{generation}", recursive=True)
         old = self._current(key)
         self.fs.pipe_file(f"{self.root}/{key}/current", generation.encode())
@@ -112,6 +125,15 @@ class RemoteStore:
         with tempfile.TemporaryDirectory(prefix="emllm-load-") as staging:  # a loaded memory keeps nothing open here
             self.fs.get(f"{self.root}/{key}/{generation}", f"{staging}/{generation}", recursive=True)
             return engine.load_memory(Path(staging) / generation, config=config)
+
+    def summary(self, key: str) -> dict[str, Any]:
+        """The saved memory's summary, from its verified manifest (fetched alone, not the KV)."""
+        generation = self._current(key)
+        if generation is None:
+            raise FileNotFoundError(f"No session {key!r} in {self.root}.")
+        with tempfile.TemporaryDirectory(prefix="emllm-manifest-") as staging:
+            self.fs.get(f"{self.root}/{key}/{generation}/{MANIFEST}", f"{staging}/{MANIFEST}")
+            return read_metadata(staging)
 
     def remove(self, key: str) -> bool:
         existed = self.fs.exists(f"{self.root}/{key}")
@@ -132,14 +154,20 @@ def open_store(location: str | Path) -> LocalStore | RemoteStore:
 
 
 class Sessions:
-    """Resident sessions (LRU), the store behind them, and the anonymous pool."""
+    """Resident sessions (LRU), the store behind them, and the anonymous pool.
+
+    What /metrics reports is counted as sessions change, never by walking them on a scrape: each session's KV bytes
+    after its turn, and the stored sessions once at start (one listing) and then as this process saves and forgets
+    (other processes sharing the store are not seen until a restart)."""
 
     def __init__(self, engine: EMEngine, config: EMConfig, store: str | Path, max_resident: int = 64):
         self.engine, self.config, self.max_resident = engine, config, max_resident
         self.store = open_store(store)
         self.anonymous = MemoryPool(engine, config, max_memories=ANONYMOUS_CONVERSATIONS)
+        self._anonymous_kv: dict[str, int] = {}
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._lock = threading.Lock()
+        self._stored = self.store.count()
 
     @staticmethod
     def key(space: str, session_id: str) -> str:
@@ -163,7 +191,7 @@ class Sessions:
             pool = MemoryPool(self.engine, self.config, max_memories=1)
             if self.store.has(self.key(space, session_id)):
                 pool.adopt(self.store.load(self.engine, self.key(space, session_id), self.config))
-            session = self._resident[key] = Session(pool)
+            session = self._resident[key] = Session(pool, kv_bytes=pool.kv_bytes())
             while len(self._resident) > self.max_resident:
                 _, old = self._resident.popitem(last=False)
                 with old.lock:  # its last turn is saved; a turn in flight finishes first
@@ -171,16 +199,25 @@ class Sessions:
             return session
 
     def save(self, space: str, session_id: str, session: Session, conversation: list[int]) -> None:
-        """Save the session's memory that has read the most of ``conversation`` (prompt and answer ids)."""
-        memory = session.pool.acquire(conversation)
-        try:
-            if memory.total_tokens:
-                self.store.save(self.engine, memory, self.key(space, session_id))
-        finally:
-            memory.close()
+        """Save the session's memory that has read the most of ``conversation`` (prompt and answer ids): the
+        checkpoint itself, held in its pool while it is written."""
+        key = self.key(space, session_id)
+        with session.pool.held(conversation) as memory:
+            if memory is not None and memory.total_tokens:
+                new = not self.store.has(key)
+                self.store.save(self.engine, memory, key)
+                if new:
+                    with self._lock:
+                        self._stored += 1
+        session.kv_bytes = session.pool.kv_bytes()
+
+    def anonymous_turn_ended(self) -> None:
+        """Count the anonymous pool's KV bytes after one of its turns (for /metrics)."""
+        self._anonymous_kv = self.anonymous.kv_bytes()
 
     def describe(self, space: str, session_id: str) -> dict[str, Any] | None:
-        """What GET /v1/sessions/{id} shows: tokens, events and tiers of the saved memory, and where it lives."""
+        """What GET /v1/sessions/{id} shows: where it lives, when it was last used, and its saved memory's tokens,
+        events and KV bytes per tier (from the save's manifest)."""
         key = (space, session_id)
         with self._lock:
             session = self._resident.get(key)
@@ -189,6 +226,10 @@ class Sessions:
             return None
         info: dict[str, Any] = {"id": session_id, "object": "session", "resident": session is not None,
                                 "stored": stored}
+        if stored:
+            saved = self.store.summary(self.key(space, session_id))
+            info.update({"tokens": saved.get("tokens"), "events": saved.get("events"),
+                         "kv_bytes": saved.get("kv_bytes"), "last_used": saved.get("saved_at")})
         if session is not None:
             info["last_used"] = int(session.last_used)
             info["checkpoints"] = session.pool.num_checkpoints
@@ -203,23 +244,28 @@ class Sessions:
             with session.lock:
                 session.pool.close()
         removed = self.store.remove(self.key(space, session_id))
+        if removed:
+            with self._lock:
+                self._stored = max(0, self._stored - 1)
         return session is not None or removed
 
     @property
     def resident(self) -> int:
         return len(self._resident)
 
+    @property
     def stored(self) -> int:
-        """Sessions in the store, every namespace."""
-        return self.store.count()
+        """Sessions in the store, every namespace (as this process has seen them change)."""
+        return self._stored
 
     def kv_bytes(self) -> dict[str, int]:
-        """KV bytes per tier held by the resident sessions and the anonymous pool (MemoryPool.kv_bytes)."""
+        """KV bytes per tier held by the resident sessions and the anonymous pool, as counted after their last turns
+        (MemoryPool.kv_bytes)."""
         with self._lock:
-            pools = [session.pool for session in self._resident.values()] + [self.anonymous]
+            counts = [session.kv_bytes for session in self._resident.values()] + [self._anonymous_kv]
         held: dict[str, int] = {}
-        for pool in pools:
-            for tier, n in pool.kv_bytes().items():
+        for count in counts:
+            for tier, n in count.items():
                 held[tier] = held.get(tier, 0) + n
         return held
 

@@ -157,10 +157,14 @@ def test_a_session_reads_only_its_new_tokens_and_survives_a_kill(store):
         assert again.choices[0].message.content == one.choices[0].message.content
         info = httpx.get(f"{first.url}/v1/sessions/crash", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
         assert info["stored"] and info["resident"]
+        assert info["tokens"] >= one.usage.prompt_tokens and info["events"] >= 1 and info["kv_bytes"]["ram"] > 0
     finally:
         first.kill()
     second = Server(store)
     try:
+        stored = httpx.get(f"{second.url}/v1/sessions/crash", headers={"Authorization": f"Bearer {KEYS[0]}"}).json()
+        assert not stored["resident"] and stored["stored"]
+        assert (stored["tokens"], stored["events"]) == (info["tokens"], info["events"])  # read from the save
         resumed = ask(second.client(), second_turn(one.choices[0].message.content), session="crash")
         assert resumed.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
         assert resumed.choices[0].message.content == two.choices[0].message.content
@@ -298,6 +302,10 @@ def test_metrics_count_requests_tokens_and_sessions(server):
     assert values["emllm_sessions_resident"] >= 1 and values["emllm_sessions_stored"] >= 1
     assert values['emllm_kv_bytes{tier="ram"}'] > 0
     assert "counted" not in metrics  # routes are labelled by template, never by a session id
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    assert httpx.delete(f"{server.url}/v1/sessions/counted", headers=auth, timeout=30).status_code == 200
+    after = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert f"emllm_sessions_stored {values['emllm_sessions_stored'] - 1}" in after  # counted as sessions change
 
 
 @pytest.fixture

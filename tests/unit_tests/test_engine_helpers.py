@@ -455,3 +455,32 @@ def test_a_pool_of_four_keeps_three_conversations_on_one_document():
         memory.close()
     assert pool.num_checkpoints <= 3 * 4
     pool.close()
+
+
+def test_a_held_checkpoint_is_the_kept_memory_itself_and_cannot_be_evicted_meanwhile():
+    """A server saves a session's checkpoint after every turn: held() gives the checkpoint itself (no fork copying
+    its window and index), the longest kept prefix of the ids, and the pool's other calls wait until it is let go."""
+    import threading
+
+    from emllm import MemoryPool
+
+    from .tiny import tiny_engine, token_ids
+
+    engine = tiny_engine("S")
+    pool = MemoryPool(engine, engine.config, max_memories=1)
+    prompt = token_ids(200)
+    answered = prompt + pool.generate(prompt, max_new_tokens=4).token_ids
+    open_before, kept = len(engine.open_memories()), pool.num_checkpoints
+    with pool.held(answered + token_ids(5, seed=9)) as memory:
+        assert memory is not None and memory.total_tokens == len(answered) - 1  # the last answer token is unread
+        assert len(engine.open_memories()) == open_before  # not a fork
+        other = threading.Thread(target=pool.generate, args=(token_ids(150, seed=3),), kwargs={"max_new_tokens": 2})
+        other.start()
+        other.join(timeout=2)
+        assert other.is_alive() and not memory.closed  # the other conversation waits to keep (and evict) anything
+        assert pool.num_checkpoints == kept and len(engine.open_memories()) == open_before  # it has not begun
+    other.join(timeout=120)
+    assert not other.is_alive()
+    with pool.held(token_ids(7, seed=42)) as nothing:
+        assert nothing is None
+    pool.close()
