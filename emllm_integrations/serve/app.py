@@ -29,8 +29,8 @@ from ..sampling import sampling_options
 from ..tool_choice import tool_decoding
 from .metrics import Metrics
 from .openai_format import (SESSION_ID, ChatCall, RequestError, check_chat_request, check_completion_request, chunk,
-                            completion, completion_id, error_body, invalid_call_text, message_of, returned_message,
-                            text_completion, tool_call_json, usage)
+                            completion, completion_id, error_body, invalid_call_text, message_of, text_completion,
+                            tool_call_json, usage)
 from .sessions import Sessions, namespace
 
 log = logging.getLogger("emllm.serve")
@@ -203,19 +203,17 @@ class _Turn:
             stream = session.pool.stream(self.prompt, **self.options)
             yield from stream
             result = stream.result
-            self.sessions.save(self.space, self.call.session_id, session, self._resent(result))
+            self.sessions.save(self.space, self.call.session_id, session, self._prompt_ids())
             self.metrics.answered(result)
             yield result
 
-    def _resent(self, result: Any) -> list[int]:
-        """The tokens the conversation's next request begins with: this prompt and the answer as the client sends
-        it back (the message this server answered, as check_chat_request reads it, re-rendered by the template). The
-        session saves the longest memory that is a prefix of them: the answered one when the answer's text tokenises
-        as it was generated, else the one before it."""
-        if self.text:
-            return self.engine.prompt_ids(self.prompt + result.text)
-        return self.engine.chat_ids([*self.prompt, returned_message(self._message(result)[0])],
-                                    add_generation_prompt=False, tools=self.options.get("tools"))
+    def _prompt_ids(self) -> list[int]:
+        """The prompt's tokens: the session saves the memory that has read exactly them, not the answered one.
+
+        A client's next request extends the prompt either way; one that resends the same prompt (a retry after a
+        lost response, a regenerated answer) extends only this one, and would otherwise re-read everything after a
+        restart. Restored, the next turn reads the answer's tokens again: tens, beside a history of thousands."""
+        return self.engine.encode_prompt(self.prompt, self.options.get("tools")).ids
 
     def _message(self, result: Any) -> tuple[dict[str, Any], str | None]:
         """(the assistant message answered, "tool_calls" when it calls tools, else None)."""

@@ -245,12 +245,6 @@ def tool_call_json(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
-def returned_message(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message this server answered, as the engine reads it when the client sends it back in its next
-    request (check_chat_request's reading: arguments parsed, no content made empty)."""
-    return _check_messages([message])[0]
-
-
 def completion(call_id: str, model: str, message: dict[str, Any], finish_reason: str, result: Any
                ) -> dict[str, Any]:
     return {"id": call_id, "object": "chat.completion", "created": int(time.time()), "model": model,

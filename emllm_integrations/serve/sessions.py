@@ -2,8 +2,9 @@
 
 A session (named by the client) owns a MemoryPool of its own: a request whose messages extend what the session has
 read reads only the new tokens; one that rewrites history forks the longest prefix the session still holds. After
-every completed turn the session's latest memory is saved to the store (``engine.save_memory``: atomic, checked on
-load), so a server killed at any moment loses at most the turn in flight. Sessions past ``max_resident`` leave RAM,
+every completed turn the memory that has read its prompt is saved to the store (``engine.save_memory``: atomic,
+checked on load), so a server killed at any moment loses at most the turn in flight, and a request sent again (a
+retry, a regenerated answer) is served from the store too. Sessions past ``max_resident`` leave RAM,
 least recently used first, and come back from the store on their next request, in this process or another.
 
 Requests without a session share one pool keyed by token prefix: an app that resends its whole history each turn
@@ -18,6 +19,7 @@ a server killed during an upload leaves the previous generation current.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import tempfile
 import threading
@@ -92,7 +94,12 @@ class LocalStore:
 
 class RemoteStore:
     """Sessions in an fsspec location (s3://bucket/prefix, gcs://, memory://...): each save a new generation folder,
-    made current by rewriting ``KEY/current`` once its upload is complete; older generations are removed after."""
+    made current by rewriting ``KEY/current`` once its upload is complete; every other generation (the previous one,
+    and any a killed server left half uploaded) is removed after.
+
+    Saves and loads stage in a local folder of this process's own (``emllm-staging/PID-*`` in the temp directory);
+    a server killed mid-save leaves its folder behind, and the next server to start removes every folder whose
+    process is gone, so kills never fill the disk."""
 
     def __init__(self, url: str):
         import fsspec
@@ -100,6 +107,12 @@ class RemoteStore:
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.root = self.root.rstrip("/")
         self.fs.makedirs(self.root, exist_ok=True)
+        self.staging = Path(tempfile.gettempdir()) / "emllm-staging"
+        self.staging.mkdir(exist_ok=True)
+        _remove_orphaned_staging(self.staging)
+
+    def _stage(self, purpose: str) -> tempfile.TemporaryDirectory:
+        return tempfile.TemporaryDirectory(prefix=f"{os.getpid()}-{purpose}-", dir=self.staging)
 
     def _current(self, key: str) -> str | None:
         pointer = f"{self.root}/{key}/current"
@@ -110,19 +123,20 @@ class RemoteStore:
 
     def save(self, engine: EMEngine, memory: Any, key: str) -> None:
         generation = f"g{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-        with tempfile.TemporaryDirectory(prefix="emllm-save-") as staging:  # the save, on its way up
+        with self._stage("save") as staging:  # the save, on its way up
             engine.save_memory(memory, Path(staging) / generation, metadata=summary(memory))
             self.fs.put(str(Path(staging) / generation), f"{self.root}/{key}/{generation}", recursive=True)
-        old = self._current(key)
         self.fs.pipe_file(f"{self.root}/{key}/current", generation.encode())
-        if old is not None:
-            self.fs.rm(f"{self.root}/{key}/{old}", recursive=True)
+        self.fs.invalidate_cache(f"{self.root}/{key}")
+        for path in self.fs.ls(f"{self.root}/{key}", detail=False):
+            if path.rstrip("/").rsplit("/", 1)[-1] not in (generation, "current"):
+                self.fs.rm(path, recursive=True)
 
     def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
         generation = self._current(key)
         if generation is None:
             raise FileNotFoundError(f"No session {key!r} in {self.root}.")
-        with tempfile.TemporaryDirectory(prefix="emllm-load-") as staging:  # a loaded memory keeps nothing open here
+        with self._stage("load") as staging:  # a loaded memory keeps nothing open here
             self.fs.get(f"{self.root}/{key}/{generation}", f"{staging}/{generation}", recursive=True)
             return engine.load_memory(Path(staging) / generation, config=config)
 
@@ -131,7 +145,7 @@ class RemoteStore:
         generation = self._current(key)
         if generation is None:
             raise FileNotFoundError(f"No session {key!r} in {self.root}.")
-        with tempfile.TemporaryDirectory(prefix="emllm-manifest-") as staging:
+        with self._stage("manifest") as staging:
             self.fs.get(f"{self.root}/{key}/{generation}/{MANIFEST}", f"{staging}/{MANIFEST}")
             return read_metadata(staging)
 
@@ -146,6 +160,24 @@ class RemoteStore:
 
     def close(self) -> None:
         """Nothing to release: each save and load stages in a temporary folder of its own."""
+
+
+def _remove_orphaned_staging(staging: Path) -> None:
+    """Remove staging folders whose process (the PID their name begins with) is no longer running."""
+    for folder in staging.iterdir():
+        pid = folder.name.split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def open_store(location: str | Path) -> LocalStore | RemoteStore:
@@ -198,11 +230,11 @@ class Sessions:
                     old.pool.close()
             return session
 
-    def save(self, space: str, session_id: str, session: Session, conversation: list[int]) -> None:
-        """Save the session's memory that has read the most of ``conversation`` (prompt and answer ids): the
-        checkpoint itself, held in its pool while it is written."""
+    def save(self, space: str, session_id: str, session: Session, prompt: list[int]) -> None:
+        """Save the session's checkpoint that has read the most of ``prompt`` (the turn's prompt ids; the pool keeps
+        one that has read them all): the checkpoint itself, held in its pool while it is written."""
         key = self.key(space, session_id)
-        with session.pool.held(conversation) as memory:
+        with session.pool.held(prompt) as memory:
             if memory is not None and memory.total_tokens:
                 new = not self.store.has(key)
                 self.store.save(self.engine, memory, key)
