@@ -32,6 +32,9 @@ def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:
                         help="require this bearer key (repeat for several); each key has its own sessions")
     parser.add_argument("--max-resident-sessions", type=int, default=64,
                         help="sessions kept in RAM; the others come back from the store (default 64)")
+    parser.add_argument("--max-resident-gb", type=float, default=None,
+                        help="RAM the resident sessions' stored KV may take; past it the least recently used leave "
+                             "RAM for the store (default: no limit but --max-resident-sessions)")
     parser.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413 (default 8)")
     parser.add_argument("--default-max-tokens", type=int, default=512,
                         help="answer length when a request gives none (default 512)")
@@ -56,9 +59,9 @@ def serve(args: argparse.Namespace) -> int:
 
     config = EMConfig.from_preset(args.preset, **config_overrides(args.engine_fields(args)))  # refused before loading
     if min(args.max_resident_sessions, args.default_max_tokens, args.max_messages, args.max_concurrent) < 1 \
-            or args.max_body_mb <= 0:
+            or args.max_body_mb <= 0 or (args.max_resident_gb is not None and args.max_resident_gb <= 0):
         raise ValueError("--max-resident-sessions, --default-max-tokens, --max-messages and --max-concurrent must "
-                         "be >= 1, --max-body-mb > 0.")
+                         "be >= 1, --max-body-mb and --max-resident-gb > 0.")
     print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
     engine = shared_engine(args.model)
     config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
@@ -74,6 +77,8 @@ def serve(args: argparse.Namespace) -> int:
         memory.close()
     settings = ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
                              max_resident_sessions=args.max_resident_sessions,
+                             max_resident_bytes=None if args.max_resident_gb is None
+                             else int(args.max_resident_gb * 2**30),
                              max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
                              max_messages=args.max_messages, max_concurrent=args.max_concurrent)
     app = create_app(engine, config, settings)

@@ -50,6 +50,28 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.time)
     kv_bytes: dict[str, int] = field(default_factory=dict)  # its pool's, counted after each turn (for /metrics)
+    retired: bool = False  # out of the resident set: closed as soon as no turn holds it
+    closed: bool = False
+
+    @property
+    def ram_bytes(self) -> int:
+        """The KV its checkpoints hold in RAM (and on a device), as counted after its last turn."""
+        return self.kv_bytes.get("ram", 0) + self.kv_bytes.get("device", 0)
+
+    def close_if_idle(self) -> None:
+        """Close it now if no turn holds it; else the turn that does closes it when it ends (turn())."""
+        self.retired = True
+        if self.lock.acquire(blocking=False):
+            try:
+                self.close()
+            finally:
+                self.lock.release()
+
+    def close(self) -> None:
+        """Close its pool (with its lock held)."""
+        if not self.closed:
+            self.closed = True
+            self.pool.close()
 
 
 def summary(memory: Any) -> dict[str, Any]:
@@ -192,13 +214,15 @@ class Sessions:
     after its turn, and the stored sessions once at start (one listing) and then as this process saves and forgets
     (other processes sharing the store are not seen until a restart)."""
 
-    def __init__(self, engine: EMEngine, config: EMConfig, store: str | Path, max_resident: int = 64):
-        self.engine, self.config, self.max_resident = engine, config, max_resident
+    def __init__(self, engine: EMEngine, config: EMConfig, store: str | Path, max_resident: int = 64,
+                 max_resident_bytes: int | None = None):
+        self.engine, self.config = engine, config
+        self.max_resident, self.max_resident_bytes = max_resident, max_resident_bytes
         self.store = open_store(store)
         self.anonymous = MemoryPool(engine, config, max_memories=ANONYMOUS_CONVERSATIONS)
         self._anonymous_kv: dict[str, int] = {}
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the resident set; never held while waiting for a session's lock
         self._stored = self.store.count()
 
     @staticmethod
@@ -207,11 +231,20 @@ class Sessions:
 
     @contextmanager
     def turn(self, space: str, session_id: str) -> Iterator[Session]:
-        """The session, held for one turn: a session's turns run one at a time (a conversation has one history)."""
-        session = self._session(space, session_id)
-        with session.lock:
-            session.last_used = time.time()
-            yield session
+        """The session, held for one turn: a session's turns run one at a time (a conversation has one history). A
+        session retired from RAM while the turn ran is closed when it ends."""
+        while True:
+            session = self._session(space, session_id)
+            with session.lock:
+                if session.closed:  # retired and closed between the lookup and the lock: look it up again
+                    continue
+                session.last_used = time.time()
+                try:
+                    yield session
+                finally:
+                    if session.retired:
+                        session.close()
+                return
 
     def _session(self, space: str, session_id: str) -> Session:
         key = (space, session_id)
@@ -224,11 +257,24 @@ class Sessions:
             if self.store.has(self.key(space, session_id)):
                 pool.adopt(self.store.load(self.engine, self.key(space, session_id), self.config))
             session = self._resident[key] = Session(pool, kv_bytes=pool.kv_bytes())
-            while len(self._resident) > self.max_resident:
-                _, old = self._resident.popitem(last=False)
-                with old.lock:  # its last turn is saved; a turn in flight finishes first
-                    old.pool.close()
-            return session
+            retired = self._over_limits(keep=key)
+        for old in retired:
+            old.close_if_idle()
+        return session
+
+    def _over_limits(self, keep: tuple[str, str]) -> list[Session]:
+        """Take out of the resident set, least recently used first and never ``keep``, the sessions past
+        max_resident or past max_resident_bytes of RAM (every completed turn is saved: they come back from the
+        store). Called with the set's lock held; the caller closes them after letting it go."""
+        retired = []
+        for key in list(self._resident):
+            over_bytes = self.max_resident_bytes is not None and \
+                sum(session.ram_bytes for session in self._resident.values()) > self.max_resident_bytes
+            if len(self._resident) <= self.max_resident and not over_bytes:
+                break
+            if key != keep:
+                retired.append(self._resident.pop(key))
+        return retired
 
     def save(self, space: str, session_id: str, session: Session, prompt: list[int]) -> None:
         """Save the session's checkpoint that has read the most of ``prompt`` (the turn's prompt ids; the pool keeps
@@ -242,6 +288,10 @@ class Sessions:
                     with self._lock:
                         self._stored += 1
         session.kv_bytes = session.pool.kv_bytes()
+        with self._lock:
+            retired = self._over_limits(keep=(space, session_id))
+        for old in retired:
+            old.close_if_idle()
 
     def anonymous_turn_ended(self) -> None:
         """Count the anonymous pool's KV bytes after one of its turns (for /metrics)."""
@@ -273,8 +323,8 @@ class Sessions:
         with self._lock:
             session = self._resident.pop(key, None)
         if session is not None:
-            with session.lock:
-                session.pool.close()
+            with session.lock:  # a turn in flight finishes first
+                session.close()
         removed = self.store.remove(self.key(space, session_id))
         if removed:
             with self._lock:
@@ -303,8 +353,9 @@ class Sessions:
 
     def close(self) -> None:
         with self._lock:
-            for session in self._resident.values():
-                session.pool.close()
+            sessions = list(self._resident.values())
             self._resident.clear()
+        for session in sessions:
+            session.close()
         self.anonymous.close()
         self.store.close()

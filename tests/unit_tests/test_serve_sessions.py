@@ -1,0 +1,79 @@
+"""The server's resident sessions (serve.sessions.Sessions) on the tiny random model and a local store: which
+sessions stay in RAM, which leave it for the store, and that leaving never waits on, or breaks, a turn in flight."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from emllm_integrations.serve.sessions import Sessions
+
+from .tiny import tiny_engine, token_ids
+
+
+@pytest.fixture
+def engine():
+    return tiny_engine("S")
+
+
+def answer_turn(sessions: Sessions, session_id: str, prompt: list[int]) -> int:
+    """One turn as the app runs it: generate in the session's pool, save; the prompt tokens it read."""
+    with sessions.turn("public", session_id) as session:
+        result = session.pool.generate(prompt, max_new_tokens=3)
+        sessions.save("public", session_id, session, prompt)
+    return result.new_input_tokens
+
+
+def test_past_the_ram_budget_the_least_recently_used_session_leaves_ram_and_comes_back_from_the_store(engine,
+                                                                                                        tmp_path):
+    one = Sessions(engine, engine.config, tmp_path, max_resident=8)
+    answer_turn(one, "a", token_ids(300, seed=1))
+    budget = one.kv_bytes()["ram"] + 1  # room for one session like it, not two
+    assert budget > 1
+    one.close()
+
+    sessions = Sessions(engine, engine.config, tmp_path / "budgeted", max_resident=8, max_resident_bytes=budget)
+    first, second = token_ids(300, seed=1), token_ids(300, seed=2)
+    answer_turn(sessions, "a", first)
+    answer_turn(sessions, "b", second)
+    assert sessions.resident == 1 and sessions.stored == 2  # "a" left RAM; both are saved
+    assert sessions.describe("public", "a")["resident"] is False
+    follow_up = token_ids(6, seed=3)
+    assert answer_turn(sessions, "a", first + follow_up) == len(follow_up)  # back from the store: only the new ones
+    assert sessions.describe("public", "b")["resident"] is False
+    sessions.close()
+
+
+def test_a_session_retired_during_its_turn_finishes_the_turn_and_then_closes(engine, tmp_path):
+    """Retiring never waits for a turn (two turns retiring each other's sessions would wait forever): the session
+    leaves the resident set at once and is closed by its own turn when that ends."""
+    sessions = Sessions(engine, engine.config, tmp_path, max_resident=1)
+    inside, release = threading.Event(), threading.Event()
+    seen = {}
+
+    def long_turn() -> None:
+        with sessions.turn("public", "slow") as session:
+            inside.set()
+            release.wait(60)
+            seen["closed_during_turn"] = session.closed
+            prompt = token_ids(120, seed=5)
+            seen["read"] = session.pool.generate(prompt, max_new_tokens=2).new_input_tokens
+            sessions.save("public", "slow", session, prompt)
+        seen["session"] = session
+
+    worker = threading.Thread(target=long_turn)
+    worker.start()
+    assert inside.wait(60)
+    other = threading.Thread(target=answer_turn, args=(sessions, "quick", token_ids(80, seed=6)))
+    other.start()
+    other.join(timeout=60)
+    assert not other.is_alive(), "a new session waited on another session's turn"
+    assert sessions.resident == 1 and sessions.describe("public", "slow") is None  # out of RAM, not yet saved
+    release.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert seen["closed_during_turn"] is False and seen["read"] == 120  # the turn ran whole on its open pool
+    assert seen["session"].closed  # and its own end closed it
+    assert sessions.describe("public", "slow")["stored"]  # its turn was saved first
+    sessions.close()
