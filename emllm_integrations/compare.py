@@ -9,7 +9,7 @@ turn's header, the documents' tokens, then the question's tail (``prompts.chat_f
 question reads only its own few tokens. RAG chunks and indexes the documents once and, per question, puts what it
 retrieves into the same template for the same LLM under plain full attention: ``rag="paper"`` (the default) is the
 paper's protocol (300-word chunks, the top 5 by MiniLM similarity); ``rag="tuned"`` is the RAG a practitioner builds
-(hybrid dense + BM25 search, 32-word chunks, the prompt filled to the default preset's attention span; see
+(hybrid dense + BM25 search, 128-word chunks, the prompt filled to the default preset's attention span; see
 ``rag.RECIPES``). What each method looked at is kept:
 the retrieved chunks for RAG, and for EM-LLM the document spans its episodic retrieval held in attention when the
 answer began (``GenerationResult.retrieved_events``, mapped from token positions back to the documents by
