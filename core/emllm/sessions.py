@@ -227,10 +227,15 @@ class MemoryPool:
         for memory in memories:
             if memory.closed:
                 continue
-            per_token = memory.store.page_bytes // memory.store.page_tokens
-            for tier, tokens in memory.store.tier_tokens().items():
-                held[tier] = held.get(tier, 0) + tokens * per_token
+            for tier, n in evicted_kv_bytes(memory).items():
+                held[tier] = held.get(tier, 0) + n
         return held
+
+
+def evicted_kv_bytes(memory: EpisodicMemory) -> dict[str, int]:
+    """The evicted KV bytes one memory's store holds per tier ("device", "ram", "disk"; its local window aside)."""
+    per_token = memory.store.page_bytes // memory.store.page_tokens
+    return {tier: tokens * per_token for tier, tokens in memory.store.tier_tokens().items()}
 
 
 def _extends(memory: EpisodicMemory, prefix: EpisodicMemory) -> bool:

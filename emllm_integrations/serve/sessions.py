@@ -34,6 +34,7 @@ from typing import Any
 
 from emllm import EMConfig, EMEngine, MemoryPool
 from emllm.persistence import MANIFEST, read_metadata
+from emllm.sessions import evicted_kv_bytes
 
 ANONYMOUS_CONVERSATIONS = 8
 """Conversations the pool of requests without a session keeps resumable."""
@@ -76,9 +77,8 @@ class Session:
 
 def summary(memory: Any) -> dict[str, Any]:
     """What a save records about its memory (in the manifest's metadata), shown by GET /v1/sessions/{id}."""
-    per_token = memory.store.page_bytes // memory.store.page_tokens
     return {"tokens": memory.total_tokens, "events": memory.num_events, "saved_at": int(time.time()),
-            "kv_bytes": {tier: tokens * per_token for tier, tokens in memory.store.tier_tokens().items()}}
+            "kv_bytes": evicted_kv_bytes(memory)}
 
 
 class LocalStore:
@@ -267,13 +267,14 @@ class Sessions:
         max_resident or past max_resident_bytes of RAM (every completed turn is saved: they come back from the
         store). Called with the set's lock held; the caller closes them after letting it go."""
         retired = []
+        ram = sum(session.ram_bytes for session in self._resident.values())
         for key in list(self._resident):
-            over_bytes = self.max_resident_bytes is not None and \
-                sum(session.ram_bytes for session in self._resident.values()) > self.max_resident_bytes
+            over_bytes = self.max_resident_bytes is not None and ram > self.max_resident_bytes
             if len(self._resident) <= self.max_resident and not over_bytes:
                 break
             if key != keep:
                 retired.append(self._resident.pop(key))
+                ram -= retired[-1].ram_bytes
         return retired
 
     def save(self, space: str, session_id: str, session: Session, prompt: list[int]) -> None:
