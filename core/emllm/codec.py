@@ -301,11 +301,11 @@ class PromptCodec:
         question_start is None. With tools, the tokens that list them are pinned (kept in attention: evicted like
         any text, a long conversation's tool list would be retrieved only when a question resembles it; measured:
         with a 512-token window Qwen2.5-Coder-1.5B answered a tool task in prose, calling nothing). An EncodedPrompt
-        is returned as it is (checked)."""
+        is returned as it is (checked); with tools, it must be one encoded with tools (its listing pinned)."""
         if isinstance(prompt, EncodedPrompt):
-            if tools:
-                raise ValueError("Tools are listed in a chat: pass the prompt as a list of messages, not an "
-                                 "EncodedPrompt.")
+            if tools and prompt.tool_listing_end is None:
+                raise ValueError("This EncodedPrompt lists no tools: encode the messages with the same tools "
+                                 "(EMEngine.encode_prompt(messages, tools)), or pass the messages themselves.")
             return prompt.checked()
         if isinstance(prompt, str):
             ids = self.tokenize(prompt)

@@ -188,7 +188,9 @@ class _Turn:
             except ValueError as error:
                 raise RequestError(str(error), param="response_format") from None
             prompt = with_format_request(prompt, call.response_format)
-        self.prompt, self.options = prompt, options
+        self.options = options
+        # tokenised once: the pool reads these ids, and the session saves the checkpoint that read them
+        self.prompt = engine.encode_prompt(prompt, options.get("tools"))
         self.id = completion_id()
 
     def _generate(self) -> Iterator[Any]:
@@ -205,17 +207,12 @@ class _Turn:
             stream = session.pool.stream(self.prompt, **self.options)
             yield from stream
             result = stream.result
-            self.sessions.save(self.space, self.call.session_id, session, self._prompt_ids())
+            # the checkpoint that read the prompt is saved, not the answered memory: a next request extends it either
+            # way, and one that resends the same prompt (a retry after a lost response, a regenerated answer) extends
+            # only it, so after a restart it is not re-read; restored, a next turn re-reads only the answer's tokens
+            self.sessions.save(self.space, self.call.session_id, session, self.prompt.ids)
             self.metrics.answered(result)
             yield result
-
-    def _prompt_ids(self) -> list[int]:
-        """The prompt's tokens: the session saves the memory that has read exactly them, not the answered one.
-
-        A client's next request extends the prompt either way; one that resends the same prompt (a retry after a
-        lost response, a regenerated answer) extends only this one, and would otherwise re-read everything after a
-        restart. Restored, the next turn reads the answer's tokens again: tens, beside a history of thousands."""
-        return self.engine.encode_prompt(self.prompt, self.options.get("tools")).ids
 
     def _message(self, result: Any) -> tuple[dict[str, Any], str | None]:
         """(the assistant message answered, "tool_calls" when it calls tools, else None)."""

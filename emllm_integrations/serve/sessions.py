@@ -247,20 +247,37 @@ class Sessions:
                 return
 
     def _session(self, space: str, session_id: str) -> Session:
+        """The resident session, or a new one entered in the resident set at once and loaded from the store
+        holding only its own lock: a load (seconds from a bucket) never holds the set's lock, so other sessions'
+        turns go on meanwhile, and this session's next turn waits on its lock as it would for a turn."""
         key = (space, session_id)
         with self._lock:
             session = self._resident.get(key)
             if session is not None:
                 self._resident.move_to_end(key)
                 return session
-            pool = MemoryPool(self.engine, self.config, max_memories=1)
-            if self.store.has(self.key(space, session_id)):
-                pool.adopt(self.store.load(self.engine, self.key(space, session_id), self.config))
-            session = self._resident[key] = Session(pool, kv_bytes=pool.kv_bytes())
+            session = self._resident[key] = Session(MemoryPool(self.engine, self.config, max_memories=1))
+            session.lock.acquire()  # given back once its memory is in
             retired = self._over_limits(keep=key)
+        try:
+            self._load(session, self.key(space, session_id))
+        except BaseException:
+            with self._lock:
+                if self._resident.get(key) is session:
+                    del self._resident[key]
+            session.close()  # a turn waiting on it looks the session up again, and loads it itself
+            raise
+        finally:
+            session.lock.release()
         for old in retired:
             old.close_if_idle()
         return session
+
+    def _load(self, session: Session, key: str) -> None:
+        """Put the stored memory (if any) into a new session's pool; with its lock held."""
+        if self.store.has(key):
+            session.pool.adopt(self.store.load(self.engine, key, self.config))
+        session.kv_bytes = session.pool.kv_bytes()
 
     def _over_limits(self, keep: tuple[str, str]) -> list[Session]:
         """Take out of the resident set, least recently used first and never ``keep``, the sessions past

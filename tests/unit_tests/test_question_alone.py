@@ -86,8 +86,11 @@ def test_a_malformed_encoded_prompt_is_refused_with_the_fix():
         engine.generate(EncodedPrompt([40, 41, 42], 3), max_new_tokens=1)
     with pytest.raises(TypeError, match="non-empty list of token ids"):
         engine.generate(EncodedPrompt([], None), max_new_tokens=1)
-    with pytest.raises(ValueError, match="Tools are listed in a chat"):
-        engine.encode_prompt(EncodedPrompt([40, 41], None), tools=[{"type": "function", "function": {"name": "f"}}])
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    with pytest.raises(ValueError, match="lists no tools: encode the messages with the same tools"):
+        engine.encode_prompt(EncodedPrompt([40, 41], None), tools=tools)
+    listed = engine.encode_prompt([{"role": "user", "content": "call f"}], tools)
+    assert engine.encode_prompt(listed, tools) == listed  # a prompt encoded with its tools is taken as it is
 
 
 def test_a_chats_question_is_its_last_paragraph_or_its_last_message():

@@ -77,3 +77,63 @@ def test_a_session_retired_during_its_turn_finishes_the_turn_and_then_closes(eng
     assert seen["session"].closed  # and its own end closed it
     assert sessions.describe("public", "slow")["stored"]  # its turn was saved first
     sessions.close()
+
+
+def _two_stored_sessions(engine, root) -> tuple[list[int], list[int]]:
+    """Sessions "a" and "b" saved in ``root`` by a server now gone; their prompts."""
+    first, second = token_ids(200, seed=11), token_ids(200, seed=12)
+    gone = Sessions(engine, engine.config, root)
+    answer_turn(gone, "a", first)
+    answer_turn(gone, "b", second)
+    gone.close()
+    return first, second
+
+
+def test_a_session_loading_from_the_store_holds_up_no_other_session(engine, tmp_path):
+    """A load (seconds from a bucket) holds only its own session: another session's turn runs meanwhile, and a
+    second turn of the loading session waits for the load and reads only its own new tokens."""
+    first, second = _two_stored_sessions(engine, tmp_path)
+    sessions = Sessions(engine, engine.config, tmp_path)
+    loading, release, loads = threading.Event(), threading.Event(), []
+    load = sessions.store.load
+
+    def slow_load(engine_, key, config):
+        loads.append(key)
+        if key.endswith("/a"):
+            loading.set()
+            release.wait(60)
+        return load(engine_, key, config)
+
+    sessions.store.load = slow_load
+    read: dict[str, int] = {}
+    follow_a = token_ids(5, seed=13)
+    worker = threading.Thread(target=lambda: read.setdefault("a", answer_turn(sessions, "a", first + follow_a)))
+    worker.start()
+    assert loading.wait(60)
+    other = threading.Thread(target=lambda: read.setdefault("b", answer_turn(sessions, "b", second + [7, 8])))
+    other.start()
+    other.join(timeout=60)
+    assert not other.is_alive(), "a session's turn waited for another session's load"
+    assert read["b"] == 2 and worker.is_alive()
+    release.set()
+    worker.join(timeout=60)
+    assert read["a"] == len(follow_a) and loads.count("public/a") == 1
+    sessions.close()
+
+
+def test_a_load_that_fails_fails_its_turn_alone_and_the_next_turn_loads_again(engine, tmp_path):
+    first, _ = _two_stored_sessions(engine, tmp_path)
+    sessions = Sessions(engine, engine.config, tmp_path)
+    load, failures = sessions.store.load, [OSError("the bucket is unreachable")]
+
+    def flaky_load(engine_, key, config):
+        if failures:
+            raise failures.pop()
+        return load(engine_, key, config)
+
+    sessions.store.load = flaky_load
+    with pytest.raises(OSError, match="unreachable"):
+        answer_turn(sessions, "a", first + [5])
+    assert sessions.resident == 0  # not left resident with an empty memory
+    assert answer_turn(sessions, "a", first + [5, 6]) == 2
+    sessions.close()
