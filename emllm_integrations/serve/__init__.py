@@ -41,49 +41,84 @@ def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:
     parser.add_argument("--max-messages", type=int, default=1000, help="messages per request (default 1000)")
     parser.add_argument("--max-concurrent", type=int, default=32,
                         help="requests answered at once; more get 429 with Retry-After (default 32)")
+    scale = parser.add_argument_group("scaling out on Ray Serve (the [ray] extra; sessions follow their replica)")
+    scale.add_argument("--ray", action="store_true",
+                       help="serve through Ray Serve: replicas of the model, each session routed to the replica "
+                            "holding it (use a shared --sessions store, e.g. s3://bucket/prefix, across machines)")
+    scale.add_argument("--replicas", type=int, default=1, help="model replicas (default 1)")
+    scale.add_argument("--max-replicas", type=int, default=None,
+                       help="autoscale between --replicas and this many by requests in flight (default: fixed)")
+    scale.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (default: start a local one on 127.0.0.1)")
     parser.set_defaults(run=serve, engine_fields=engine_fields)
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Load the model, then serve until SIGINT/SIGTERM (uvicorn finishes open requests first)."""
+    """Load the model, then serve until SIGINT/SIGTERM (uvicorn finishes open requests first); with --ray, the same
+    app on Ray Serve (ray_serve.run)."""
     try:
         import uvicorn
 
-        from .app import ServeSettings, create_app
+        from .answers import InProcess
+        from .app import create_app
     except ImportError as error:
         print(f"emllm serve needs FastAPI and uvicorn ({error}): {INSTALL}", file=sys.stderr)
         return 2
-    from emllm import EMConfig, shared_engine
+    from emllm import EMConfig
 
     from ..bench import config_overrides
 
     config = EMConfig.from_preset(args.preset, **config_overrides(args.engine_fields(args)))  # refused before loading
+    settings = settings_of(args)
+    if args.ray:
+        try:
+            from .ray_serve import run
+        except ImportError as error:
+            print(f"emllm serve --ray needs Ray Serve ({error}): pip install 'emllm-integrations[ray]'",
+                  file=sys.stderr)
+            return 2
+        return run(args, settings)
+    engine = prepared_engine(args.model, config)
+    backend = InProcess(engine, config, settings.sessions, settings.max_resident_sessions,
+                        settings.max_resident_bytes)
+    app = create_app(backend, settings)
+    print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
+          f"{args.sessions}", file=sys.stderr, flush=True)
+    # SIGTERM: stop accepting, let open requests finish (at most 60 s), then close every session (all saved).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60)
+    return 0
+
+
+def settings_of(args: argparse.Namespace) -> Any:
+    """The ServeSettings the command line gives, its limits checked before anything loads."""
+    from .app import ServeSettings
+
     if min(args.max_resident_sessions, args.default_max_tokens, args.max_messages, args.max_concurrent) < 1 \
             or args.max_body_mb <= 0 or (args.max_resident_gb is not None and args.max_resident_gb <= 0):
         raise ValueError("--max-resident-sessions, --default-max-tokens, --max-messages and --max-concurrent must "
                          "be >= 1, --max-body-mb and --max-resident-gb > 0.")
-    print(f"loading {args.model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    engine = shared_engine(args.model)
-    config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
-    # Paid here, not by the first request: the weights' fingerprint that every session save and load is matched to
-    # (hashing the weight files: about 1 s a GB), and a process's first forward, slower than the rest.
+    return ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
+                         max_resident_sessions=args.max_resident_sessions,
+                         max_resident_bytes=None if args.max_resident_gb is None
+                         else int(args.max_resident_gb * 2**30),
+                         max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
+                         max_messages=args.max_messages, max_concurrent=args.max_concurrent)
+
+
+def prepared_engine(model: str | None, config: Any) -> Any:
+    """The shared engine for ``model``, checked against ``config``, with what the first request would otherwise pay
+    paid now: the weights' fingerprint every session save and load is matched to (hashing the weight files: about
+    1 s a GB), and a process's first forward, slower than the rest."""
+    from emllm import shared_engine
     from emllm.models import weights_fingerprint
 
+    print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
+    engine = shared_engine(model)
+    config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
     weights_fingerprint(engine.model)
     memory = engine.new_memory(config)
     try:
         engine.generate("Warm up.", memory=memory, max_new_tokens=1)
     finally:
         memory.close()
-    settings = ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
-                             max_resident_sessions=args.max_resident_sessions,
-                             max_resident_bytes=None if args.max_resident_gb is None
-                             else int(args.max_resident_gb * 2**30),
-                             max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
-                             max_messages=args.max_messages, max_concurrent=args.max_concurrent)
-    app = create_app(engine, config, settings)
-    print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
-          f"{args.sessions}", file=sys.stderr, flush=True)
-    # SIGTERM: stop accepting, let open requests finish (at most 60 s), then close every session (all saved).
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60)
-    return 0
+    return engine

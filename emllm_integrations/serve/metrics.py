@@ -14,15 +14,20 @@ from .sessions import Sessions
 class Metrics:
     """Requests, latency, tokens read and decoded, sessions resident and stored, and KV bytes per memory tier.
 
-    The gauges read counts Sessions keeps as sessions change: a scrape walks no memory and lists no store."""
+    The gauges read counts Sessions keeps as sessions change: a scrape walks no memory and lists no store. Without
+    ``sessions`` (a Ray Serve ingress, whose replicas hold them) only the requests and their latency are counted."""
 
-    def __init__(self, sessions: Sessions):
+    def __init__(self, sessions: Sessions | None = None):
         self.registry = CollectorRegistry()
         self.requests = Counter("emllm_requests", "HTTP requests answered", ["route", "status"],
                                 registry=self.registry)
         self.latency = Histogram("emllm_request_seconds", "Time to answer a request (a stream: until its end)",
                                  ["route"], registry=self.registry,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900))
+        if sessions is not None:
+            self._count_sessions(sessions)
+
+    def _count_sessions(self, sessions: Sessions) -> None:
         self.tokens_read = Counter("emllm_tokens_read", "Prompt tokens read into memory (not served from it)",
                                    registry=self.registry)
         self.tokens_cached = Counter("emllm_tokens_cached", "Prompt tokens served from memory instead of read",

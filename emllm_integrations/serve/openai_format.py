@@ -10,7 +10,8 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from emllm.tools import InvalidToolCall, ParsedReply, ToolCall, check_tools
@@ -40,11 +41,38 @@ class RequestError(ValueError):
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.kind, self.param, self.code)
 
+    def fields(self) -> dict[str, Any]:
+        """What rebuilds it (RequestError(**fields)) on the other side of a process boundary."""
+        return {"message": str(self), "status": self.status, "param": self.param, "code": self.code,
+                "kind": self.kind}
+
+
+def refusal(error: Exception) -> RequestError | None:
+    """The 400 a request gets for ``error``: itself when a RequestError; a TypeError or ValueError the engine raised
+    refusing the call before reading anything, with its message; None for any other failure (a 500)."""
+    if isinstance(error, RequestError):
+        return error
+    return RequestError(str(error)) if isinstance(error, (TypeError, ValueError)) else None
+
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_event(error: BaseException) -> str:
+    """The server-sent event that ends a stream which failed after it began (its status is already sent)."""
+    return f"data: {json.dumps(error_body(f'{type(error).__name__}: {error}', 'server_error'))}\n\n"
+
+
+@dataclass
+class Reply:
+    """How a backend answers a completion: a whole body, or server-sent events (an iterator, sync or async), and
+    headers to send with either (X-Replica-Id)."""
+    body: dict[str, Any] | None = None
+    events: Iterator[str] | AsyncIterator[str] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

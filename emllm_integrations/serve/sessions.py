@@ -311,6 +311,14 @@ class Sessions:
         for old in retired:
             old.close_if_idle()
 
+    def retire(self, space: str, session_id: str) -> None:
+        """Let a session leave RAM now (every completed turn is saved: it comes back from the store); a turn in
+        flight finishes first. For a router that keeps its own least-recently-used set (Ray Serve's multiplexing)."""
+        with self._lock:
+            session = self._resident.pop((space, session_id), None)
+        if session is not None:
+            session.close_if_idle()
+
     def anonymous_turn_ended(self) -> None:
         """Count the anonymous pool's KV bytes after one of its turns (for /metrics)."""
         self._anonymous_kv = self.anonymous.kv_bytes()

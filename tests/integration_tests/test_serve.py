@@ -7,6 +7,7 @@ bounded, and every server a test starts is stopped by its fixture.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import random
@@ -316,6 +317,12 @@ def test_metrics_count_requests_tokens_and_sessions(server):
 
 @pytest.fixture
 def s3_endpoint() -> Iterator[dict[str, str]]:
+    with loopback_s3() as env:
+        yield env
+
+
+@contextlib.contextmanager
+def loopback_s3() -> Iterator[dict[str, str]]:
     """A real S3-compatible endpoint (moto's server) on 127.0.0.1 with one bucket; the environment that points boto
     at it, as a user's credentials and endpoint would."""
     pytest.importorskip("s3fs", reason="the [s3] extra is not installed")

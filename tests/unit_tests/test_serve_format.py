@@ -81,3 +81,19 @@ def test_a_text_completion_reads_its_prompt_as_it_is():
         with pytest.raises(RequestError) as refused:
             check_completion_request({"model": MODEL, "prompt": "a", **fields}, MODEL, 64, None)
         assert refused.value.param == param
+
+
+def test_ray_serve_refuses_bad_settings_before_a_cluster_starts(tmp_path, capsys):
+    """`emllm serve --ray` checks its replica counts and the store's settings before ray.init; `build` (the
+    entry of `serve run` configs) names what it does not know."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from emllm_integrations.cli import main
+    from emllm_integrations.serve.ray_serve import build
+
+    assert main(["serve", "--ray", "--replicas", "0", "--sessions", str(tmp_path)]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--replicas", "2", "--max-replicas", "1", "--sessions", str(tmp_path)]) == 2
+    with pytest.raises(ValueError, match=r"Unknown args \['replica'\]"):
+        build({"sessions": "s3://bucket/x", "replica": 2})
+    with pytest.raises(ValueError, match="no 'sessions' store"):
+        build({"replicas": 2})
