@@ -43,11 +43,11 @@ from .sessions import Sessions
 
 REPLICA_HEADER = "X-Replica-Id"
 ATTEMPTS = 3
-"""Tries a turn gets when its replica is found dead before it began (Ray Serve starts a replacement; routing learns
-of the death within about a second): the store holds every completed turn, so another replica answers alike."""
+"""Tries a turn gets when its replica is found dead before it began (Ray Serve starts a replacement, and its router
+learns of the death meanwhile): the store holds every completed turn, so another replica answers alike."""
 
 
-class _Held:
+class HeldSession:
     """A session a replica holds, as Ray Serve's multiplexing sees it: dropping it (``__del__``, called by Ray
     Serve's least-recently-used eviction) lets the session leave the replica's RAM."""
 
@@ -80,8 +80,8 @@ class SessionReplica:
             self.replica = "local"
             return
 
-        async def hold(key: str) -> _Held:
-            return _Held(self.backend.sessions, key)
+        async def hold(key: str) -> HeldSession:
+            return HeldSession(self.backend.sessions, key)
 
         self._hold = serve.multiplexed(max_num_models_per_replica=settings.max_resident_sessions)(hold)
 

@@ -137,3 +137,22 @@ def test_a_load_that_fails_fails_its_turn_alone_and_the_next_turn_loads_again(en
     assert sessions.resident == 0  # not left resident with an empty memory
     assert answer_turn(sessions, "a", first + [5, 6]) == 2
     sessions.close()
+
+
+def test_ray_serves_eviction_of_a_session_lets_it_leave_ram_once(engine, tmp_path):
+    """Ray Serve's multiplexing evicts a replica's least recently used session by calling its holder's __del__: the
+    session leaves RAM for the store (its next turn reads only its new tokens), and the holder's later collection
+    does not retire the session loaded again since."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from emllm_integrations.serve.ray_serve import HeldSession
+
+    sessions = Sessions(engine, engine.config, tmp_path)
+    first = token_ids(150, seed=21)
+    answer_turn(sessions, "a", first)
+    held = HeldSession(sessions, "public/a")
+    held.__del__()  # as Ray Serve's eviction calls it
+    assert sessions.resident == 0
+    assert answer_turn(sessions, "a", first + [9, 10]) == 2  # back from the store
+    del held  # the collector's call
+    assert sessions.resident == 1
+    sessions.close()
