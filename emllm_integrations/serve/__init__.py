@@ -78,6 +78,8 @@ def serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         return run(args, settings)
+    from .loading import prepared_engine
+
     engine = prepared_engine(args.model, config)
     backend = InProcess(engine, config, settings.sessions, settings.max_resident_sessions,
                         settings.max_resident_bytes)
@@ -103,22 +105,3 @@ def settings_of(args: argparse.Namespace) -> Any:
                          else int(args.max_resident_gb * 2**30),
                          max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
                          max_messages=args.max_messages, max_concurrent=args.max_concurrent)
-
-
-def prepared_engine(model: str | None, config: Any) -> Any:
-    """The shared engine for ``model``, checked against ``config``, with what the first request would otherwise pay
-    paid now: the weights' fingerprint every session save and load is matched to (hashing the weight files: about
-    1 s a GB), and a process's first forward, slower than the rest."""
-    from emllm import shared_engine
-    from emllm.models import weights_fingerprint
-
-    print(f"loading {model or 'the embedded default model'} ...", file=sys.stderr, flush=True)
-    engine = shared_engine(model)
-    config.validate_for_model(engine.shape.max_positions, engine.shape.num_layers)
-    weights_fingerprint(engine.model)
-    memory = engine.new_memory(config)
-    try:
-        engine.generate("Warm up.", memory=memory, max_new_tokens=1)
-    finally:
-        memory.close()
-    return engine

@@ -67,7 +67,7 @@ class SessionReplica:
         from emllm import EMConfig
 
         from ..bench import config_overrides
-        from . import prepared_engine
+        from .loading import prepared_engine
 
         config = EMConfig.from_preset(preset, **config_overrides(engine_fields))
         engine = prepared_engine(model, config)
