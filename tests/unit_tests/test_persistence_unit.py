@@ -658,3 +658,21 @@ def test_a_save_refuses_other_weights_of_the_same_shape_and_another_tokenizer(sa
     with pytest.raises(MemoryFileError, match="tokenizer .vocabulary, added tokens, chat template. differ"):
         load_memory(saved, other_tokenizer)
     load_memory(saved, engine).close()
+
+
+def test_the_tokenizer_fingerprint_is_hashed_once_yet_follows_every_change_transformers_can_make():
+    """Every save asks for it (hashing the vocabulary was half a save's time): it is kept per tokenizer, and a
+    chat template set, a token added or a role changed after it was kept still gives another print."""
+    from emllm.models import tokenizer_fingerprint
+
+    tokenizer = tiny_tokenizer()
+    first = tokenizer_fingerprint(tokenizer)
+    assert tokenizer_fingerprint(tokenizer) == first == tokenizer_fingerprint(tiny_tokenizer())
+    seen = {first}
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    seen.add(tokenizer_fingerprint(tokenizer))
+    tokenizer.add_tokens(["brand-new"])
+    seen.add(tokenizer_fingerprint(tokenizer))
+    tokenizer.add_special_tokens({"pad_token": "brand-new"})
+    seen.add(tokenizer_fingerprint(tokenizer))
+    assert len(seen) == 4
