@@ -81,8 +81,7 @@ def serve(args: argparse.Namespace) -> int:
     from .loading import prepared_engine
 
     engine = prepared_engine(args.model, config)
-    backend = InProcess(engine, config, settings.sessions, settings.max_resident_sessions,
-                        settings.max_resident_bytes)
+    backend = InProcess(engine, config, settings)
     app = create_app(backend, settings)
     print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
           f"{args.sessions}", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas, par
 from ..response_format import response_grammar, with_format_request
 from ..sampling import sampling_options
 from ..tool_choice import tool_decoding
+from .app import ServeSettings
 from .metrics import Metrics
 from .openai_format import (ChatCall, Reply, RequestError, chunk, completion, completion_id, error_event,
                             invalid_call_text, message_of, text_completion, tool_call_json, usage)
@@ -32,10 +33,10 @@ class InProcess:
     """The Backend that answers with an engine in this process: sessions kept in RAM and the store, and the
     Prometheus counters of what it reads and decodes."""
 
-    def __init__(self, engine: EMEngine, config: EMConfig, store: str, max_resident_sessions: int = 64,
-                 max_resident_bytes: int | None = None):
+    def __init__(self, engine: EMEngine, config: EMConfig, settings: ServeSettings):
         self.engine, self.model = engine, engine.model_name
-        self.sessions = Sessions(engine, config, store, max_resident_sessions, max_resident_bytes)
+        self.sessions = Sessions(engine, config, settings.sessions, settings.max_resident_sessions,
+                                 settings.max_resident_bytes)
         self.metrics = Metrics(self.sessions)
 
     async def answer(self, call: ChatCall, space: str) -> Reply:

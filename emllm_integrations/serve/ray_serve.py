@@ -71,8 +71,7 @@ class SessionReplica:
 
         config = EMConfig.from_preset(preset, **config_overrides(engine_fields))
         engine = prepared_engine(model, config)
-        self.backend = InProcess(engine, config, settings.sessions, settings.max_resident_sessions,
-                                 settings.max_resident_bytes)
+        self.backend = InProcess(engine, config, settings)
         self._hold: Any = None
         try:
             self.replica = serve.get_replica_context().replica_tag
