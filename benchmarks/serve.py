@@ -201,6 +201,12 @@ def stored_bytes(store: Path, length: int) -> dict:
             "plain_bf16_bytes_per_token": plain, "files_bytes": sizes}
 
 
+DESCRIBE = "Describe in detail everything the text says about the people in it."
+"""batched_decoding.py's question: every answer runs to its token limit, so the turns decode for as long as the
+in-process benchmark's (a fact question is answered in 13-20 tokens, and then the questions' reads and the saves
+are most of a turn)."""
+
+
 def concurrency(args: argparse.Namespace, model: str, count: object, logs: Path, store: str) -> dict:
     """N sessions' second turns, one after another and then all at once (different sessions, the same turns)."""
     server = Server(store, logs, args.model, args.preset)
@@ -208,6 +214,7 @@ def concurrency(args: argparse.Namespace, model: str, count: object, logs: Path,
         sessions: dict[str, list[list[dict]]] = {"alone": [], "together": []}
         for i in range(args.concurrent):
             one, question = conversation(2600, count, seed=100 + i)
+            question = DESCRIBE if args.second_question == "describe" else question
             for mode, seconds in sessions.items():  # two sessions that read the same first turn
                 seconds.append(second_turn(one, turn(server.url, model, one, f"{mode}-{i}")["text"], question))
             print(f"session {i}: its document read", flush=True)
@@ -229,7 +236,8 @@ def concurrency(args: argparse.Namespace, model: str, count: object, logs: Path,
             "together_decode_tokens_per_s": together_decode, "decode_speedup": together_decode / alone_decode,
             "alone_tokens_per_s": alone_rate, "together_tokens_per_s": together_rate,
             "speedup": together_rate / alone_rate,
-            "same_answers": sum(a["text"] == t["text"] for a, t in zip(alone, together, strict=True))}
+            "same_answers": sum(a["text"] == t["text"] for a, t in zip(alone, together, strict=True)),
+            "second_question": args.second_question, "completion_tokens": [t["completion_tokens"] for t in together]}
 
 
 def main() -> None:
@@ -239,6 +247,9 @@ def main() -> None:
     parser.add_argument("--stores", nargs="+", choices=("local", "s3"), default=["local", "s3"])
     parser.add_argument("--concurrent", type=int, default=8, help="sessions at once (0: skip)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens each concurrent second turn may write")
+    parser.add_argument("--second-question", choices=("describe", "fact"), default="describe",
+                        help="the concurrent second turns ask batched_decoding.py's question (answers run to "
+                             "--new-tokens) or their document's second fact question (short answers)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--preset", default="E")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serve"))
@@ -292,7 +303,9 @@ def write_tables(args: argparse.Namespace, rows: list[dict], concurrent_row: dic
                          f"{row['bytes_per_token'] / plain:.2f} |")
     if concurrent_row:
         c = concurrent_row
-        lines += ["", "| sessions | measured | one at a time, tokens/s | all at once, tokens/s | speedup | same |",
+        lines += ["", f"Second turns: the {c['second_question']} question, answers of "
+                  f"{min(c['completion_tokens'])}-{max(c['completion_tokens'])} tokens.",
+                  "", "| sessions | measured | one at a time, tokens/s | all at once, tokens/s | speedup | same |",
                   "|---:|---|---:|---:|---:|---:|",
                   f"| {c['sessions']} | decoding (first to last token streamed) | "
                   f"{c['alone_decode_tokens_per_s']:.2f} | {c['together_decode_tokens_per_s']:.2f} | "
