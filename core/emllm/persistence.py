@@ -11,6 +11,12 @@ process, and answer exactly as before. A saved memory is a directory:
                         the representatives, the contiguity queue, the retrieved event ids and retrieval counts
     kv.safetensors      the evicted KV as one tensor "pages" [pages, layers, 2, page_tokens, kv_heads, head_dim]
                         (the last page zero-padded), written and read one page at a time: it can be GBs
+    kv-NNNNNN.safetensors  more of the same, from page NNNNNN on, where a save replaced an earlier one (below)
+
+A save that replaces an earlier save of the same memory (a conversation's next turn) writes only what is new. Evicted
+pages never change once full, so the manifest records each full page's blake2b; the new save hard-links the earlier
+save's KV files whose pages the memory still holds unchanged (digests equal) and writes the pages after them, plus
+the state. A 32K-token conversation's turn then writes tens of MB instead of its whole 460 MB.
 
 No pickle anywhere: JSON and safetensors (the KV file is written by hand in the safetensors layout, so it can be
 streamed; any safetensors reader opens it).
@@ -69,10 +75,13 @@ class EngineLike(Protocol):
     def new_memory(self, config: EMConfig | None = None) -> EpisodicMemory: ...
 
 FORMAT = "emllm-episodic-memory"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: one KV file and no page digests (read as one segment)
 MANIFEST = "manifest.json"
 STATE_FILE = "state.safetensors"
-KV_FILE = "kv.safetensors"
+KV_FILE = "kv.safetensors"  # the KV segment from page 0 (in version 1 the only one)
+_SEGMENT_FILE = re.compile(r"^kv(-\d{6,})?\.safetensors$")
+PAGE_DIGEST_BYTES = 16
 
 #: Config fields that say where a memory's pages live and how much may be read, not what it is: a loaded memory
 #: takes them from the loading side (its machine, its disks), everything else from the save.
@@ -132,7 +141,9 @@ def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: Engi
     kv_pages = math.ceil(store.num_tokens / store.page_tokens)
     state = _state_tensors(memory)
     state_bytes = safetensors.torch.save(state, metadata={"format": FORMAT})
-    needed = kv_pages * store.page_bytes + len(state_bytes) + 2**16
+    kept, earlier_files = _reusable_segments(target, memory, engine)
+    first_new = sum(segment["used"] for segment in kept)
+    needed = (kv_pages - first_new) * store.page_bytes + len(state_bytes) + 2**16
     free = shutil.disk_usage(target.parent).free
     if free < needed:
         raise StorageFullError(errno.ENOSPC, _full_message(target, "the save", needed, free, "(checked before "
@@ -141,14 +152,28 @@ def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: Engi
     current = "a temporary directory"
     try:
         os.mkdir(temp)
-        current = KV_FILE
-        files = {KV_FILE: _write_file(temp / KV_FILE, _kv_chunks(store, kv_pages))}
+        files: dict[str, dict[str, Any]] = {}
+        try:
+            for segment in kept:
+                current = segment["file"]
+                _link_or_copy(target / segment["file"], temp / segment["file"])
+                files[segment["file"]] = earlier_files[segment["file"]]
+        except FileNotFoundError:  # the earlier save was replaced meanwhile (another process): write everything
+            for name in files:
+                os.remove(temp / name)
+            kept, files, first_new = [], {}, 0
+        segments = list(kept)
+        if first_new < kv_pages or not segments:
+            current = segment_file(first_new)
+            files[current] = _write_file(temp / current, _kv_chunks(store, first_new, kv_pages))
+            files[current]["tensors"] = {"pages": _spec(store.dtype, [kv_pages - first_new, *store.page_shape])}
+            segments.append({"file": current, "first_page": first_new, "pages": kv_pages - first_new,
+                             "used": kv_pages - first_new})
         current = STATE_FILE
         files[STATE_FILE] = _write_file(temp / STATE_FILE, [state_bytes])
-        files[KV_FILE]["tensors"] = {"pages": _spec(store.dtype, [kv_pages, *store.page_shape])}
         files[STATE_FILE]["tensors"] = {name: _spec(t.dtype, list(t.shape)) for name, t in state.items()}
         current = MANIFEST
-        manifest = _manifest(memory, engine, files, kv_pages, metadata or {})
+        manifest = _manifest(memory, engine, files, kv_pages, segments, metadata or {})
         _write_file(temp / MANIFEST, [json.dumps(manifest, indent=1, sort_keys=True).encode()])
         _fsync_dir(temp)
         current = "the directory entry"
@@ -224,17 +249,83 @@ def _uniform(layers: list, name: str) -> int:
     return values.pop()
 
 
-def _kv_chunks(store: PageStore, pages: int) -> Iterator[memoryview]:
-    """The KV file's bytes: a safetensors header, then each page in order (one page in RAM at a time)."""
-    yield memoryview(_safetensors_header("pages", store.dtype, [pages, *store.page_shape], pages * store.page_bytes))
-    for page_id in range(pages):
+def segment_file(first_page: int) -> str:
+    """The name of the KV file holding pages from ``first_page`` on."""
+    return KV_FILE if first_page == 0 else f"kv-{first_page:06d}.safetensors"
+
+
+def _kv_chunks(store: PageStore, first: int, pages: int) -> Iterator[memoryview]:
+    """A KV file's bytes: a safetensors header, then pages [first, pages) in order (one page in RAM at a time). A
+    full page's digest is kept in the store as it passes, so the next save can tell it is already on disk."""
+    count = pages - first
+    yield memoryview(_safetensors_header("pages", store.dtype, [count, *store.page_shape], count * store.page_bytes))
+    for page_id in range(first, pages):
         page = store.read_page(page_id).detach().to("cpu")
         fill = min(store.page_tokens, store.num_tokens - page_id * store.page_tokens)
         if fill < store.page_tokens:  # the tail: its unused rows are uninitialised memory, write zeros instead
             padded = torch.zeros(store.page_shape, dtype=store.dtype)
             padded[:, :, :fill] = page[:, :, :fill]
             page = padded
-        yield _bytes_of(page)
+        data = _bytes_of(page)
+        if fill == store.page_tokens:
+            store.digests[page_id] = page_digest(data)
+        yield data
+
+
+def page_digest(data: bytes | bytearray | memoryview) -> str:
+    """A full KV page's digest, as the manifest records it."""
+    return hashlib.blake2b(data, digest_size=PAGE_DIGEST_BYTES).hexdigest()
+
+
+def _stored_digest(store: PageStore, page_id: int) -> str:
+    """The digest of a full page of ``store``, computed (and kept) if no save or load has yet."""
+    if page_id not in store.digests:
+        store.digests[page_id] = page_digest(_bytes_of(store.read_page(page_id).detach().to("cpu")))
+    return store.digests[page_id]
+
+
+def _reusable_segments(target: Path, memory: EpisodicMemory, engine: EngineLike) -> tuple[list[dict], dict]:
+    """The KV segments of the save at ``target`` (if any) that hold, from page 0 on, only full pages this memory
+    still holds unchanged, each cut to the pages it may give (a segment's last page may have been the tail then);
+    with that save's file entries. Nothing (a full save) where there is no readable save of this model's pages with
+    this page size and their digests, or where the first page already differs."""
+    from . import models
+
+    try:
+        manifest = _read_manifest(target)
+        info, store = manifest["memory"], memory.store
+        recorded = info.get("kv_page_digests") or []
+        if (manifest["model"].get("fingerprint") != models.model_fingerprint(engine.model)
+                or info.get("kv_page_tokens") != store.page_tokens or not isinstance(recorded, list)):
+            return [], {}
+        full_now = min(len(recorded), store.num_tokens // store.page_tokens)
+        kept, page = [], 0
+        for segment in _segments_of(info):
+            used = 0
+            while (used < segment["used"] and page + used < full_now
+                   and recorded[page + used] == _stored_digest(store, page + used)):
+                used += 1
+            if used:
+                kept.append({**segment, "used": used})
+                page += used
+            if used < segment["used"]:
+                break
+        return kept, manifest["files"]
+    except (MemoryFileError, KeyError, TypeError, ValueError):
+        return [], {}  # not a save this one can build on: write everything
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link (no bytes written; the file outlives the save it came from), or a copy where the file system
+    has no links."""
+    try:
+        os.link(source, destination)
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOTSUP):
+            raise
+        shutil.copyfile(source, destination)
+        with open(destination, "rb+") as handle:
+            os.fsync(handle.fileno())
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -266,7 +357,7 @@ def _spec(dtype: torch.dtype, shape: list[int]) -> dict[str, Any]:
     return {"dtype": str(dtype).removeprefix("torch."), "shape": [int(s) for s in shape]}
 
 
-def _manifest(memory: EpisodicMemory, engine: EngineLike, files: dict, kv_pages: int,
+def _manifest(memory: EpisodicMemory, engine: EngineLike, files: dict, kv_pages: int, segments: list[dict],
               metadata: dict[str, Any]) -> dict[str, Any]:
     from . import models
 
@@ -293,7 +384,9 @@ def _manifest(memory: EpisodicMemory, engine: EngineLike, files: dict, kv_pages:
             "contiguity_entries": files[STATE_FILE]["tensors"]["contiguity_ids"]["shape"][0],
             "retrieved_entries": sum(len(layer.retrieved_ids) for layer in memory.layers),
             "last_logits": None if logits is None else _spec(logits.dtype, list(logits.shape)),
-            "kv_pages": kv_pages, "kv_page_tokens": memory.store.page_tokens,
+            "kv_pages": kv_pages, "kv_page_tokens": memory.store.page_tokens, "kv_segments": segments,
+            "kv_page_digests": [_stored_digest(memory.store, page)
+                                for page in range(memory.store.num_tokens // memory.store.page_tokens)],
         },
         "files": files,
         "metadata": metadata,
@@ -462,7 +555,7 @@ def _load_once(target: Path, engine: EngineLike, config: EMConfig | None) -> Epi
     _check_consistency(state, info, memory_config, target)
     memory = engine.new_memory(memory_config)
     try:
-        _stream_kv(memory.store, target / KV_FILE, files[KV_FILE], info)
+        _stream_kv(memory.store, target, files, info)
         memory.load_state_dict(_state_dict(state, info, engine))
     except BaseException:
         memory.close()
@@ -497,9 +590,10 @@ def _read_manifest(target: Path) -> dict[str, Any]:
         raise MemoryFileError(f"{path} is not an emllm episodic-memory manifest (format {found!r}, expected "
                               f"{FORMAT!r}).")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise MemoryFileError(f"{path} has format version {version!r}; this emllm reads version {FORMAT_VERSION}. "
-                              "Load it with the emllm release that saved it, or read the document again.")
+    if version not in READABLE_VERSIONS:
+        raise MemoryFileError(f"{path} has format version {version!r}; this emllm reads versions "
+                              f"{', '.join(map(str, READABLE_VERSIONS))}. Load it with the emllm release that saved "
+                              "it, or read the document again.")
     if manifest.get("checksum") != manifest_checksum(manifest):
         raise MemoryFileError(f"{path} is damaged: its checksum does not match its content (edited or corrupted).")
     for key in ("model", "config", "memory", "files"):
@@ -627,7 +721,6 @@ def _expected_specs(info: dict[str, Any], model: dict[str, Any]) -> dict[str, di
         if info["last_logits"] is not None:
             state["last_logits"] = dict(info["last_logits"])
         page_shape = [L, 2, info["kv_page_tokens"], kv, d]
-        kv_file = {"pages": _spec(dtype, [info["kv_pages"], *page_shape])}
         counts = [T, E, W, R, S, info["contiguity_entries"], info["retrieved_entries"], info["kv_pages"],
                   info["kv_page_tokens"], info["evicted_tokens"], info["local_start"]]
     except (KeyError, TypeError) as error:
@@ -635,13 +728,45 @@ def _expected_specs(info: dict[str, Any], model: dict[str, Any]) -> dict[str, di
     if any(not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in counts) or info["kv_page_tokens"] < 1 \
             or info["kv_pages"] != -(-info["evicted_tokens"] // info["kv_page_tokens"]):
         raise MemoryFileError(f"{MANIFEST} holds impossible counts in its 'memory' section: {info}.")
-    return {STATE_FILE: state, KV_FILE: kv_file}
+    kv_files = {segment["file"]: {"pages": _spec(dtype, [segment["pages"], *page_shape])}
+                for segment in _segments_of(info)}
+    return {STATE_FILE: state, **kv_files}
+
+
+def _segments_of(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's KV segments, checked: files named as saves name them, each giving pages [first_page,
+    first_page + used) of its ``pages``, together every page once and in order. A version-1 manifest has one."""
+    segments = info.get("kv_segments", [{"file": KV_FILE, "first_page": 0, "pages": info.get("kv_pages"),
+                                         "used": info.get("kv_pages")}])
+    fields = ("file", "first_page", "pages", "used")
+    problem = None
+    if not isinstance(segments, list) or not segments:
+        problem = "no KV segments"
+    else:
+        page = 0
+        for segment in segments:
+            if not isinstance(segment, dict) or set(segment) != set(fields):
+                problem = f"a KV segment is not {{{', '.join(fields)}}}: {segment!r}"
+            elif not isinstance(segment["file"], str) or not _SEGMENT_FILE.match(segment["file"]):
+                problem = f"a KV segment's file name is not one a save writes: {segment['file']!r}"
+            elif any(not isinstance(segment[k], int) or isinstance(segment[k], bool) for k in fields[1:]) \
+                    or segment["first_page"] != page or not 0 <= segment["used"] <= segment["pages"] \
+                    or (segment["used"] == 0 and len(segments) > 1):
+                problem = f"KV segments do not give every page once, in order: {segments!r}"
+            if problem:
+                break
+            page += segment["used"]
+        if not problem and (page != info.get("kv_pages") or len({s["file"] for s in segments}) != len(segments)):
+            problem = f"its KV segments do not match the memory's counts ({info.get('kv_pages')} pages): {segments!r}"
+    if problem:
+        raise MemoryFileError(f"{MANIFEST} is inconsistent: {problem}.")
+    return segments
 
 
 def _check_files(manifest: dict[str, Any], expected: dict, target: Path) -> dict[str, dict]:
     """Every file listed, present, of the recorded size, with the shapes the counts imply (no data read yet)."""
     files = manifest["files"]
-    for name in (STATE_FILE, KV_FILE):
+    for name in expected:
         entry = files.get(name)
         path = target / name
         if not isinstance(entry, dict) or not {"bytes", "blake2b", "tensors"} <= set(entry):
@@ -745,43 +870,64 @@ def _split(flat: list[T], counts: list[int]) -> list[list[T]]:
     return out
 
 
-def _stream_kv(store: PageStore, path: Path, entry: dict, info: dict) -> None:
-    """Append the saved pages to the new store one at a time (it spills to disk past its RAM budget), hashing as
-    it goes; the checksum is compared at the end, and a mismatch fails the whole load."""
+def _stream_kv(store: PageStore, target: Path, files: dict, info: dict) -> None:
+    """Append the saved pages to the new store one at a time, segment by segment (it spills to disk past its RAM
+    budget). Each file is hashed as it is read and compared at its end; each full page with the digest the manifest
+    records (a page from another save fails at once). A mismatch fails the whole load. Where this store pages as
+    the save did, the verified digests are kept, so this memory's next save links these files."""
     pages, page_tokens, total = info["kv_pages"], info["kv_page_tokens"], info["evicted_tokens"]
+    recorded = info.get("kv_page_digests")
+    if recorded is not None and (not isinstance(recorded, list) or len(recorded) != total // page_tokens):
+        raise MemoryFileError(f"{target / MANIFEST} is inconsistent: its page digests do not match its "
+                              f"{total // page_tokens} full pages.")
     page_shape = (*store.page_shape[:2], page_tokens, *store.page_shape[3:])
     page_bytes = int(np.prod(page_shape)) * torch.empty(0, dtype=store.dtype).element_size()
-    digest = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as handle:
-        prefix = handle.read(8)
-        digest.update(prefix)
-        header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-        if not 0 < header_len <= 2**20:
-            raise MemoryFileError(f"{path} is damaged: its safetensors header length ({header_len}) is impossible.")
-        raw = handle.read(header_len)
-        digest.update(raw)
-        try:
-            header = json.loads(raw)
-            spec = header["pages"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise MemoryFileError(f"{path} is damaged: unreadable safetensors header ({error!r}).") from error
-        if spec != {"dtype": _SAFETENSORS_CODE[store.dtype], "shape": [pages, *page_shape],
-                    "data_offsets": [0, pages * page_bytes]}:
-            raise MemoryFileError(f"{path} is damaged: its header describes {spec}, not the saved pages.")
-        # The pages must be in the file before a page's buffer is allocated: a forged page size cannot make the
-        # loader allocate more than the file holds.
-        if os.fstat(handle.fileno()).st_size - 8 - header_len < pages * page_bytes:
-            raise MemoryFileError(f"{path} is damaged: truncated, it holds fewer bytes than its {pages} pages.")
-        buffer = bytearray(page_bytes if pages else 0)
-        for page_id in range(pages):
-            if handle.readinto(buffer) != page_bytes:
-                raise MemoryFileError(f"{path} is damaged: truncated at page {page_id} of {pages}.")
-            digest.update(buffer)
-            page = torch.frombuffer(buffer, dtype=torch.uint8).view(store.dtype).reshape(page_shape)
-            fill = min(page_tokens, total - page_id * page_tokens)
-            store.append(page[:, :, :fill])  # copies into the store's own page
-        if handle.read(1):
-            raise MemoryFileError(f"{path} is damaged: it has data past the saved pages.")
-    if digest.hexdigest() != entry["blake2b"]:
-        raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one saved (corrupted, "
-                              "or a file from another save).")
+    digests: dict[int, str] = {}
+    buffer = bytearray(page_bytes if pages else 0)
+    for segment in _segments_of(info):
+        path, count = target / segment["file"], segment["pages"]
+        digest = hashlib.blake2b(digest_size=32)
+        with open(path, "rb") as handle:
+            _read_kv_header(handle, path, digest, store.dtype, [count, *page_shape], count * page_bytes)
+            for index in range(count):
+                page_id = segment["first_page"] + index
+                if handle.readinto(buffer) != page_bytes:
+                    raise MemoryFileError(f"{path} is damaged: truncated at page {index} of {count}.")
+                digest.update(buffer)
+                if index >= segment["used"]:
+                    continue  # an earlier save's tail page, rewritten in a later segment: hashed, not loaded
+                fill = min(page_tokens, total - page_id * page_tokens)
+                if fill == page_tokens:
+                    digests[page_id] = page_digest(buffer)
+                    if recorded is not None and digests[page_id] != recorded[page_id]:
+                        raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one "
+                                              f"saved for page {page_id} (corrupted, or a page from another save).")
+                page = torch.frombuffer(buffer, dtype=torch.uint8).view(store.dtype).reshape(page_shape)
+                store.append(page[:, :, :fill])  # copies into the store's own page
+            if handle.read(1):
+                raise MemoryFileError(f"{path} is damaged: it has data past the saved pages.")
+        if digest.hexdigest() != files[segment["file"]]["blake2b"]:
+            raise MemoryFileError(f"{path} is damaged: its blake2b checksum does not match the one saved "
+                                  "(corrupted, or a file from another save).")
+    if store.page_tokens == page_tokens:
+        store.digests.update(digests)
+
+
+def _read_kv_header(handle: Any, path: Path, digest: Any, dtype: torch.dtype, shape: list[int], nbytes: int) -> None:
+    """Read and check a KV file's safetensors header (hashing it); refuse a file too short for its pages before a
+    page buffer is filled: a forged page size cannot make the loader read more than the file holds."""
+    prefix = handle.read(8)
+    digest.update(prefix)
+    header_len = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+    if not 0 < header_len <= 2**20:
+        raise MemoryFileError(f"{path} is damaged: its safetensors header length ({header_len}) is impossible.")
+    raw = handle.read(header_len)
+    digest.update(raw)
+    try:
+        spec = json.loads(raw)["pages"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise MemoryFileError(f"{path} is damaged: unreadable safetensors header ({error!r}).") from error
+    if spec != {"dtype": _SAFETENSORS_CODE[dtype], "shape": shape, "data_offsets": [0, nbytes]}:
+        raise MemoryFileError(f"{path} is damaged: its header describes {spec}, not the saved pages.")
+    if os.fstat(handle.fileno()).st_size - 8 - header_len < nbytes:
+        raise MemoryFileError(f"{path} is damaged: truncated, it holds fewer bytes than its {shape[0]} pages.")

@@ -154,6 +154,9 @@ class PageStore:
         self._disk_files: dict[int, tuple[_Folder, str, int]] = {}
         self.num_tokens = 0
         self._tail: torch.Tensor | None = None  # the page being filled: outside the tiers until sealed
+        # Sealed pages' content digests, kept by whoever computes them (a save writing a page, a load reading one):
+        # a sealed page never changes, so a later save can tell which pages an earlier save already holds.
+        self.digests: dict[int, str] = {}
         self.closed = False
 
     # ------------------------------------------------------------------ writing
@@ -462,6 +465,7 @@ class PageStore:
         child._disk_files = dict(self._disk_files)
         child._folder = None  # the child writes its own files; it keeps the parent's folder alive via _disk_files
         child._tail = None if self._tail is None else self._tail.clone()
+        child.digests = dict(self.digests)
         return child
 
     def close(self) -> None:
@@ -472,6 +476,7 @@ class PageStore:
         self.disk.pages.clear()
         self._disk_files.clear()
         self._tail = None
+        self.digests.clear()
         # Dropping the last reference removes the folder now (its finalizer runs); a fork that still reads
         # pages from it keeps it alive until that fork is closed too.
         self._folder = None

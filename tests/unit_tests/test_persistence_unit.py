@@ -331,6 +331,126 @@ def test_save_refuses_a_closed_memory_and_a_foreign_engine(engine, tmp_path):
     assert not (tmp_path / "m").exists() and siblings(tmp_path / "m") == []
 
 
+# ============================================================================ a save that builds on the last one
+def kv_files(path: Path) -> dict[str, int]:
+    """The save's KV files by name, with their inode (a linked file keeps the inode of the save it came from)."""
+    return {p.name: p.stat().st_ino for p in path.iterdir() if p.name.startswith("kv")}
+
+
+def test_a_later_save_of_the_same_memory_links_its_full_pages_and_writes_the_rest(engine, tmp_path):
+    """A conversation's next turn is saved over its last save: the pages that save holds are linked, not written
+    again, and the result loads exactly (also after a third save, and from a store paging another way)."""
+    memory = engine.new_memory(engine.config.replace(page_tokens=7))
+    engine.read(memory, token_ids(300, seed=3))
+    path = tmp_path / "m"
+    save_memory(memory, path, engine=engine)
+    first = kv_files(path)
+    assert list(first) == [KV_FILE]
+    for turn, extra in enumerate((40, 25)):
+        sealed_before = memory.store.num_tokens // 7
+        engine.read(memory, token_ids(extra, seed=10 + turn))
+        assert memory.store.num_tokens // 7 > sealed_before  # the turn sealed pages
+        earlier = kv_files(path)
+        save_memory(memory, path, engine=engine)
+        now = kv_files(path)
+        assert {name: now[name] for name in earlier if name in now} == {name: earlier[name] for name in earlier
+                                                                         if name in now}
+        assert KV_FILE in now and now[KV_FILE] == first[KV_FILE]  # the first save's pages: the same file
+        manifest = json.loads((path / MANIFEST).read_text())
+        segments = manifest["memory"]["kv_segments"]
+        written = segments[-1]
+        assert written["first_page"] >= sealed_before - 1 and written["file"] not in earlier
+        assert sum(s["used"] for s in segments) == math.ceil(memory.store.num_tokens / 7)
+        assert memory_differences(memory, load_memory(path, engine)) == []
+    assert siblings(path) == []
+    loaded = load_memory(path, engine, config=memory.config.replace(page_tokens=5))  # pages cut otherwise
+    assert memory_differences(memory, loaded) == []
+
+
+def test_a_loaded_memory_saved_again_links_the_files_it_was_loaded_from(engine, tmp_path):
+    memory = engine.new_memory(engine.config.replace(page_tokens=7))
+    engine.read(memory, token_ids(300, seed=4))
+    path = save_memory(memory, tmp_path / "m", engine=engine)
+    loaded = load_memory(path, engine, config=memory.config)  # paged as saved: the digests it verified are kept
+    before = kv_files(path)
+    engine.read(loaded, token_ids(30, seed=5))
+    save_memory(loaded, path, engine=engine)
+    assert kv_files(path)[KV_FILE] == before[KV_FILE]
+    engine.read(memory, token_ids(30, seed=5))
+    assert memory_differences(memory, load_memory(path, engine)) == []
+
+
+def test_a_save_over_another_memory_shares_only_the_pages_both_hold(engine, tmp_path):
+    """A fork that read other tokens after a shared prefix, saved over the other fork's save: only the shared full
+    pages may be linked; what differs is written. A different memory's save shares nothing."""
+    base = engine.new_memory(engine.config.replace(page_tokens=7))
+    engine.read(base, token_ids(200, seed=6))
+    one, two = base.fork(), base.fork()
+    engine.read(one, token_ids(120, seed=7))
+    engine.read(two, token_ids(120, seed=8))
+    path = tmp_path / "m"
+    save_memory(one, path, engine=engine)
+    save_memory(two, path, engine=engine)
+    manifest = json.loads((path / MANIFEST).read_text())
+    shared = sum(s["used"] for s in manifest["memory"]["kv_segments"][:-1])
+    assert shared > 0  # the pages of tokens both read before the fork, evicted alike after it too
+    assert all(torch.equal(one.store.read_page(i), two.store.read_page(i)) for i in range(shared))
+    assert not torch.equal(one.store.read_page(shared), two.store.read_page(shared))
+    assert memory_differences(two, load_memory(path, engine)) == []
+    other = engine.new_memory(engine.config.replace(page_tokens=7))
+    engine.read(other, token_ids(300, seed=9))
+    before = kv_files(path)
+    save_memory(other, path, engine=engine)
+    assert kv_files(path) == {KV_FILE: kv_files(path)[KV_FILE]} and kv_files(path)[KV_FILE] != before[KV_FILE]
+    assert memory_differences(other, load_memory(path, engine)) == []
+
+
+def test_a_damaged_linked_file_fails_the_load_of_the_save_that_links_it(engine, tmp_path):
+    memory = engine.new_memory(engine.config.replace(page_tokens=7))
+    engine.read(memory, token_ids(300, seed=12))
+    path = save_memory(memory, tmp_path / "m", engine=engine)
+    engine.read(memory, token_ids(40, seed=13))
+    save_memory(memory, path, engine=engine)
+    flip_bit(path / KV_FILE, (path / KV_FILE).stat().st_size // 2)
+    with pytest.raises(MemoryFileError, match=f"{KV_FILE} is damaged: .*checksum"):
+        load_memory(path, engine)
+
+
+def test_a_version_1_save_loads(engine, read_memory, tmp_path):
+    """Saves from before the KV segments (one KV file, no page digests) load, and a save over one writes all."""
+    path = save_memory(read_memory, tmp_path / "m", engine=engine)
+
+    def as_version_1(manifest):
+        manifest["format_version"] = 1
+        del manifest["memory"]["kv_segments"], manifest["memory"]["kv_page_digests"]
+
+    rewrite_manifest(path, as_version_1)
+    loaded = load_memory(path, engine)
+    assert memory_differences(read_memory, loaded) == []
+    before = kv_files(path)
+    save_memory(loaded, path, engine=engine)
+    assert kv_files(path)[KV_FILE] != before[KV_FILE]
+    assert memory_differences(read_memory, load_memory(path, engine)) == []
+
+
+@pytest.mark.parametrize("segments", [
+    [{"file": "../kv.safetensors", "first_page": 0, "pages": 43, "used": 43}],
+    [{"file": KV_FILE, "first_page": 0, "pages": 43, "used": 20}, {"file": KV_FILE, "first_page": 20, "pages": 23,
+                                                                  "used": 23}],
+    [{"file": KV_FILE, "first_page": 0, "pages": 43, "used": 20}, {"file": "kv-000021.safetensors",
+                                                                  "first_page": 21, "pages": 22, "used": 22}],
+    [{"file": KV_FILE, "first_page": 0, "pages": 43, "used": 44}],
+])
+def test_forged_kv_segments_are_refused_before_any_file_is_read(segments, engine, saved, tmp_path):
+    import shutil
+
+    path = tmp_path / "forged"
+    shutil.copytree(saved, path)
+    rewrite_manifest(path, lambda m: m["memory"].__setitem__("kv_segments", segments))
+    with pytest.raises(MemoryFileError, match="KV segment"):
+        load_memory(path, engine)
+
+
 # ============================================================================ refusing damaged or foreign saves
 def copy_save(source: Path, tmp_path: Path) -> Path:
     import shutil
