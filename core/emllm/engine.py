@@ -141,9 +141,10 @@ class EMEngine:
         embedder = TextEmbedder(name, device=str(self.store_device))
         return lambda id_lists: embedder.embed(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True))
 
-    def save_memory(self, memory: EpisodicMemory, path: str | os.PathLike, metadata: dict | None = None) -> Any:
+    def save_memory(self, memory: EpisodicMemory, path: str | os.PathLike, metadata: dict | None = None,
+                    earlier: dict | None = None) -> Any:
         """Write a memory to a directory atomically (safetensors + a checked manifest); see persistence.py."""
-        return persistence.save_memory(memory, path, engine=self, metadata=metadata)
+        return persistence.save_memory(memory, path, engine=self, metadata=metadata, earlier=earlier)
 
     def load_memory(self, path: str | os.PathLike, config: EMConfig | None = None) -> EpisodicMemory:
         """A memory saved by save_memory, verified (version, model, shapes, checksums) before anything is used."""

@@ -114,13 +114,18 @@ class MemoryFileError(ValueError):
 
 # ====================================================================== saving
 def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: EngineLike,
-                metadata: dict[str, Any] | None = None) -> Path:
+                metadata: dict[str, Any] | None = None, earlier: dict[str, Any] | None = None) -> Path:
     """Save everything ``memory`` has read into the directory ``path`` (replaced atomically if it holds a save).
 
     ``engine`` is the engine that made the memory: its model's fingerprint goes into the manifest so the memory is
     never loaded into another model. Raises StorageFullError (the previous save intact, nothing left behind) when
     the disk is full. Returns the directory. ``metadata`` (JSON) is stored in the checksummed manifest, so what an
     adapter needs besides the memory (e.g. its documents) is saved in the same atomic step; see read_metadata.
+
+    A save over an earlier save of the same memory hard-links the earlier KV files whose pages it still holds and
+    writes only the rest. ``earlier`` (a verified manifest, parse_manifest) names an earlier save kept elsewhere (a
+    bucket's last generation) instead: its reusable KV files are listed in the new manifest but not written, and the
+    caller puts them beside the new save (as server-side copies) before anyone loads it.
     """
     try:
         json.dumps(metadata)
@@ -141,7 +146,7 @@ def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: Engi
     kv_pages = math.ceil(store.num_tokens / store.page_tokens)
     state = _state_tensors(memory)
     state_bytes = safetensors.torch.save(state, metadata={"format": FORMAT})
-    kept, earlier_files = _reusable_segments(target, memory, engine)
+    kept, earlier_files = _reusable_segments(earlier if earlier is not None else target, memory, engine)
     first_new = sum(segment["used"] for segment in kept)
     needed = (kv_pages - first_new) * store.page_bytes + len(state_bytes) + 2**16
     free = shutil.disk_usage(target.parent).free
@@ -156,11 +161,12 @@ def save_memory(memory: EpisodicMemory, path: str | os.PathLike, *, engine: Engi
         try:
             for segment in kept:
                 current = segment["file"]
-                _link_or_copy(target / segment["file"], temp / segment["file"])
+                if earlier is None:
+                    _link_or_copy(target / segment["file"], temp / segment["file"])
                 files[segment["file"]] = earlier_files[segment["file"]]
         except FileNotFoundError:  # the earlier save was replaced meanwhile (another process): write everything
             for name in files:
-                os.remove(temp / name)
+                (temp / name).unlink(missing_ok=True)
             kept, files, first_new = [], {}, 0
         segments = list(kept)
         if first_new < kv_pages or not segments:
@@ -284,15 +290,17 @@ def _stored_digest(store: PageStore, page_id: int) -> str:
     return store.digests[page_id]
 
 
-def _reusable_segments(target: Path, memory: EpisodicMemory, engine: EngineLike) -> tuple[list[dict], dict]:
-    """The KV segments of the save at ``target`` (if any) that hold, from page 0 on, only full pages this memory
-    still holds unchanged, each cut to the pages it may give (a segment's last page may have been the tail then);
-    with that save's file entries. Nothing (a full save) where there is no readable save of this model's pages with
-    this page size and their digests, or where the first page already differs."""
+def _reusable_segments(earlier: Path | dict[str, Any], memory: EpisodicMemory,
+                       engine: EngineLike) -> tuple[list[dict], dict]:
+    """The KV segments of the earlier save (a folder, or its verified manifest) that hold, from page 0 on, only full
+    pages this memory still holds unchanged, each cut to the pages it may give (a segment's last page may have been
+    the tail then); with that save's file entries. Nothing (a full save) where there is no readable save of this
+    model's pages with this page size and their digests, or where the first page already differs."""
     from . import models
 
     try:
-        manifest = _read_manifest(target)
+        manifest = _read_manifest(earlier) if isinstance(earlier, Path) else \
+            parse_manifest(json.dumps(earlier).encode(), "the earlier save's manifest")
         info, store = manifest["memory"], memory.store
         recorded = info.get("kv_page_digests") or []
         if (manifest["model"].get("fingerprint") != models.model_fingerprint(engine.model)
@@ -581,8 +589,15 @@ def _read_manifest(target: Path) -> dict[str, Any]:
     if not path.is_file():
         raise MemoryFileError(f"{path} is missing: {target} is not a saved episodic memory (or the save is "
                               "incomplete). Save one with save_memory().")
+    return parse_manifest(path.read_bytes(), path)
+
+
+def parse_manifest(data: bytes, path: str | os.PathLike) -> dict[str, Any]:
+    """A manifest's bytes (read from ``path``, named in errors) as the verified manifest: format, version, checksum
+    and sections checked; MemoryFileError otherwise. Public for a store that keeps saves elsewhere than a folder (a
+    bucket): it reads a save's manifest alone, to save the next one over it (save_memory's ``earlier``)."""
     try:
-        manifest = json.loads(path.read_bytes())
+        manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
         raise MemoryFileError(f"{path} is damaged: not valid JSON ({error}).") from error
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -747,12 +762,13 @@ def _segments_of(info: dict[str, Any]) -> list[dict[str, Any]]:
         for segment in segments:
             if not isinstance(segment, dict) or set(segment) != set(fields):
                 problem = f"a KV segment is not {{{', '.join(fields)}}}: {segment!r}"
-            elif not isinstance(segment["file"], str) or not _SEGMENT_FILE.match(segment["file"]):
-                problem = f"a KV segment's file name is not one a save writes: {segment['file']!r}"
             elif any(not isinstance(segment[k], int) or isinstance(segment[k], bool) for k in fields[1:]) \
                     or segment["first_page"] != page or not 0 <= segment["used"] <= segment["pages"] \
                     or (segment["used"] == 0 and len(segments) > 1):
                 problem = f"KV segments do not give every page once, in order: {segments!r}"
+            elif not isinstance(segment["file"], str) or not _SEGMENT_FILE.match(segment["file"]) \
+                    or segment["file"] != segment_file(segment["first_page"]):
+                problem = f"a KV segment's file name is not one a save writes: {segment['file']!r}"
             if problem:
                 break
             page += segment["used"]

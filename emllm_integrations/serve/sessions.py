@@ -13,12 +13,15 @@ is served from memory without naming a session.
 The store is a local directory or any fsspec URL (``s3://bucket/prefix`` through s3fs): ``ROOT/NAMESPACE/SESSION``,
 the namespace derived from the API key, so one key's sessions are out of reach of another's. A remote save is made
 locally (atomic, checked), uploaded as a new generation, and only then named current by a small pointer object;
-a server killed during an upload leaves the previous generation current.
+a server killed during an upload leaves the previous generation current. A save over an earlier one writes only
+what its turn added (persistence: full KV pages never change): locally the earlier save's KV files are hard-linked,
+in a bucket they are copied from the current generation server-side instead of uploaded again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from emllm import EMConfig, EMEngine, MemoryPool
-from emllm.persistence import MANIFEST, read_metadata
+from emllm.persistence import MANIFEST, MemoryFileError, parse_manifest, read_metadata
 from emllm.sessions import evicted_kv_bytes
 
 ANONYMOUS_CONVERSATIONS = 8
@@ -131,6 +134,7 @@ class RemoteStore:
         self.fs.makedirs(self.root, exist_ok=True)
         self.staging = Path(tempfile.gettempdir()) / "emllm-staging"
         self.staging.mkdir(exist_ok=True)
+        self.uploaded_bytes = 0  # what this process's saves put up (files copied within the bucket not counted)
         _remove_orphaned_staging(self.staging)
 
     def _stage(self, purpose: str) -> tempfile.TemporaryDirectory:
@@ -144,15 +148,45 @@ class RemoteStore:
         return self._current(key) is not None
 
     def save(self, engine: EMEngine, memory: Any, key: str) -> None:
-        generation = f"g{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-        with self._stage("save") as staging:  # the save, on its way up
-            engine.save_memory(memory, Path(staging) / generation, metadata=summary(memory))
-            self.fs.put(str(Path(staging) / generation), f"{self.root}/{key}/{generation}", recursive=True)
+        """Upload a new generation and name it current. The KV files the current generation already holds (pages
+        this memory still holds unchanged) are copied within the bucket, not uploaded again; should that generation
+        vanish meanwhile (another server saved the session), the save is made whole."""
+        current = self._current(key)
+        earlier = self._manifest(key, current) if current is not None else None
+        try:
+            generation = self._upload(engine, memory, key, current, earlier)
+        except FileNotFoundError:
+            generation = self._upload(engine, memory, key, None, None)
         self.fs.pipe_file(f"{self.root}/{key}/current", generation.encode())
         self.fs.invalidate_cache(f"{self.root}/{key}")
         for path in self.fs.ls(f"{self.root}/{key}", detail=False):
             if path.rstrip("/").rsplit("/", 1)[-1] not in (generation, "current"):
                 self.fs.rm(path, recursive=True)
+
+    def _manifest(self, key: str, generation: str) -> dict[str, Any] | None:
+        """A generation's verified manifest, or None where it is gone or unreadable (then the save is whole)."""
+        path = f"{self.root}/{key}/{generation}/{MANIFEST}"
+        try:
+            return parse_manifest(self.fs.cat_file(path), path)
+        except (FileNotFoundError, MemoryFileError):
+            return None
+
+    def _upload(self, engine: EMEngine, memory: Any, key: str, current: str | None,
+                earlier: dict[str, Any] | None) -> str:
+        """Stage the save, put up the files it wrote and copy the rest from ``current``: the new generation."""
+        generation = f"g{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+        with self._stage("save") as staging:  # the save, on its way up
+            staged = Path(staging) / generation
+            engine.save_memory(memory, staged, metadata=summary(memory), earlier=earlier)
+            listed = json.loads((staged / MANIFEST).read_bytes())["files"]
+            for name in (*listed, MANIFEST):  # the manifest last: a generation is complete once it has one
+                remote = f"{self.root}/{key}/{generation}/{name}"
+                if (staged / name).exists():
+                    self.fs.put_file(str(staged / name), remote)
+                    self.uploaded_bytes += (staged / name).stat().st_size
+                else:
+                    self.fs.copy(f"{self.root}/{key}/{current}/{name}", remote)
+        return generation
 
     def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
         generation = self._current(key)

@@ -440,6 +440,8 @@ def test_a_version_1_save_loads(engine, read_memory, tmp_path):
     [{"file": KV_FILE, "first_page": 0, "pages": 43, "used": 20}, {"file": "kv-000021.safetensors",
                                                                   "first_page": 21, "pages": 22, "used": 22}],
     [{"file": KV_FILE, "first_page": 0, "pages": 43, "used": 44}],
+    [{"file": "kv-000009.safetensors", "first_page": 0, "pages": 43, "used": 43}],
+    [{"file": KV_FILE, "first_page": "0", "pages": 43, "used": 43}],
 ])
 def test_forged_kv_segments_are_refused_before_any_file_is_read(segments, engine, saved, tmp_path):
     import shutil

@@ -3,9 +3,11 @@ sessions stay in RAM, which leave it for the store, and that leaving never waits
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
+import torch
 
 from emllm_integrations.serve.sessions import Sessions
 
@@ -156,3 +158,34 @@ def test_ray_serves_eviction_of_a_session_lets_it_leave_ram_once(engine, tmp_pat
     del held  # the collector's call
     assert sessions.resident == 1
     sessions.close()
+
+
+def test_a_bucket_store_copies_the_pages_its_last_generation_holds_instead_of_uploading_them(engine, tmp_path):
+    """fsspec's in-memory file system stands for a bucket: a session's next save puts up only what its turn added
+    and copies the rest within the bucket; the generation loads as the memory. Should the last generation vanish
+    between the two steps (another server saved the session), the save is made whole."""
+    from emllm.persistence import MANIFEST
+
+    from emllm_integrations.serve.sessions import RemoteStore
+
+    store = RemoteStore(f"memory://bucket-{tmp_path.name}/sessions")
+    memory = engine.new_memory(engine.config.replace(page_tokens=7))
+    engine.read(memory, token_ids(300, seed=21))
+    store.save(engine, memory, "space/a")
+    whole = store.uploaded_bytes
+    engine.read(memory, token_ids(30, seed=22))
+    store.save(engine, memory, "space/a")
+    assert 0 < store.uploaded_bytes - whole < whole / 2
+    loaded = store.load(engine, "space/a", memory.config)
+    assert loaded.token_ids == memory.token_ids and loaded.store.num_tokens == memory.store.num_tokens
+    assert all(torch.equal(loaded.store.read_page(i), memory.store.read_page(i))
+               for i in range(memory.store.num_tokens // 7))
+
+    folder = f"{store.root}/space/a/" + store.fs.cat_file(f"{store.root}/space/a/current").decode()  # the layout
+    manifest = json.loads(store.fs.cat_file(f"{folder}/{MANIFEST}"))
+    store.fs.rm(f"{folder}/{manifest['memory']['kv_segments'][0]['file']}")
+    engine.read(memory, token_ids(30, seed=23))
+    before = store.uploaded_bytes
+    store.save(engine, memory, "space/a")
+    assert store.uploaded_bytes - before > whole / 2  # whole again
+    assert store.load(engine, "space/a", memory.config).token_ids == memory.token_ids
