@@ -13,7 +13,7 @@ process, and answer exactly as before. A saved memory is a directory:
                         (the last page zero-padded), written and read one page at a time: it can be GBs
     kv-NNNNNN.safetensors  more of the same, from page NNNNNN on, where a save replaced an earlier one (below)
 
-A save that replaces an earlier save of the same memory (a conversation's next turn) writes only what is new. Evicted
+A save that replaces an earlier save of the same memory (a conversation's next turn) writes no page it shares. Evicted
 pages never change once full, so the manifest records each full page's blake2b; the new save hard-links the earlier
 save's KV files whose pages the memory still holds unchanged (digests equal) and writes the pages after them, plus
 the state. A 32K-token conversation's turn then writes tens of MB instead of its whole 460 MB.
@@ -300,7 +300,7 @@ def _reusable_segments(earlier: Path | dict[str, Any], memory: EpisodicMemory,
 
     try:
         manifest = _read_manifest(earlier) if isinstance(earlier, Path) else \
-            parse_manifest(json.dumps(earlier).encode(), "the earlier save's manifest")
+            check_manifest(earlier, "the earlier save's manifest")
         info, store = manifest["memory"], memory.store
         recorded = info.get("kv_page_digests") or []
         if (manifest["model"].get("fingerprint") != models.model_fingerprint(engine.model)
@@ -600,6 +600,12 @@ def parse_manifest(data: bytes, path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError) as error:
         raise MemoryFileError(f"{path} is damaged: not valid JSON ({error}).") from error
+    return check_manifest(manifest, path)
+
+
+def check_manifest(manifest: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """``manifest`` (JSON already parsed, from ``path``) if it is a whole, signed manifest of a version this emllm
+    reads; MemoryFileError otherwise."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise MemoryFileError(f"{path} is not an emllm episodic-memory manifest (format {found!r}, expected "

@@ -13,9 +13,9 @@ is served from memory without naming a session.
 The store is a local directory or any fsspec URL (``s3://bucket/prefix`` through s3fs): ``ROOT/NAMESPACE/SESSION``,
 the namespace derived from the API key, so one key's sessions are out of reach of another's. A remote save is made
 locally (atomic, checked), uploaded as a new generation, and only then named current by a small pointer object;
-a server killed during an upload leaves the previous generation current. A save over an earlier one writes only
-what its turn added (persistence: full KV pages never change): locally the earlier save's KV files are hard-linked,
-in a bucket they are copied from the current generation server-side instead of uploaded again.
+a server killed during an upload leaves the previous generation current. A save over an earlier one does not
+write again the full KV pages that save holds (persistence: they never change), only the rest and the state:
+locally the earlier KV files are hard-linked, in a bucket copied from the current generation server-side.
 """
 
 from __future__ import annotations
