@@ -53,14 +53,14 @@ def episodic_attention(q_local: torch.Tensor, window_keys: torch.Tensor, window_
     # (a chunk's; decoding steps are summed later, LayerMemory.defer_received); the parts merge in a fixed order.
     memory_part = None
     if q_memory is not None and memory_keys is not None:
-        memory_part = _grouped(attend(q_memory, memory_keys, memory_values, scaling, causal=False, bias=memory_bias),
-                               heads, q)
+        memory_part = ungroup_part(attend(q_memory, memory_keys, memory_values, scaling, causal=False,
+                                          bias=memory_bias), heads, q)
     parts = []
     if q > 1:
         parts.append(attend(q_local, _expand(window_keys[:, :, visible:], groups),
                              _expand(window_values[:, :, visible:], groups), scaling, causal=True))
     if visible:
-        parts.append(_grouped(attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
+        parts.append(ungroup_part(attend(group_heads(q_local, kv_heads), window_keys[:, :, :visible],
                                       window_values[:, :, :visible], scaling, causal=False), heads, q))
     if memory_part is not None:
         parts.append(memory_part)
@@ -263,7 +263,9 @@ def group_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return x.reshape(1, kv_heads, -1, x.shape[-1])
 
 
-def _grouped(part: tuple[torch.Tensor, torch.Tensor], heads: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ungroup_part(part: tuple[torch.Tensor, torch.Tensor], heads: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A part attended with grouped queries (out [1, kv, groups * q, d], lse [1, kv, groups * q]) back in the
+    queries' own layout: out [1, heads, q, d], lse [1, heads, q]."""
     out, lse = part
     return out.reshape(1, heads, q, out.shape[-1]), lse.reshape(1, heads, q)
 

@@ -2,7 +2,8 @@
 
 Decoding a token reads every weight of the model for one row of activations; on a CPU (and on a GPU at small batch)
 that read, not the arithmetic, is the cost, so eight rows cost little more than one. Each conversation keeps its own
-EpisodicMemory: the forward's attention runs row by row against each row's memory (forward.layer_attention), while
+EpisodicMemory: in the forward's attention (forward.decoding_attention) what reads a row's own memory runs row by row
+(its window, its retrieval, the fused kernel) and the rest once for all rows (rotations, merging the parts), while
 the projections, MLPs and LM head see all rows at once.
 
 The same tokens alone or together: matmul kernels choose their blocking by the number of rows, so a row's result

@@ -74,8 +74,10 @@ class LayerMemory:
         self.key_copy_owned = True  # False after a fork: the buffer is shared, so copy before writing
 
     # ------------------------------------------------------------------ local window
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values: [kv, q, d] of the tokens being read (un-rotated)."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, rotated: torch.Tensor | None = None) -> None:
+        """keys, values: [kv, q, d] of the tokens being read (un-rotated). ``rotated``: the same keys already rotated
+        at their window positions (a decoding step rotates every conversation's new key in one op), kept where the
+        window before them is rotated too; otherwise window_keys rotates them when they are read."""
         q = keys.shape[1]
         if self.length + q > self.keys.shape[1]:
             if self.config.attention == "episodic":
@@ -84,6 +86,9 @@ class LayerMemory:
         self.keys[:, self.length:self.length + q] = keys
         self.values[:, self.length:self.length + q] = values
         self._received[:, self.length:self.length + q] = 0  # not .scores: a deferred step never sees later keys
+        if rotated is not None and self.rotated_length == self.length:
+            self.rotated[:, self.length:self.length + q] = rotated
+            self.rotated_length += q
         self.length += q
 
     @property

@@ -51,6 +51,16 @@ class RotaryTable:
         cos, sin = self.cos[positions], self.sin[positions]
         return x * cos + rotate_half(x) * sin
 
+    def rotate_rows(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each x [rows, ..., head_dim] with row r rotated at positions[r] (positions [rows]): one decoding step of
+        several conversations, each at its own window position, in one set of ops (cos and sin gathered once)."""
+        cos, sin = self.cos[positions], self.sin[positions]                                  # [rows, head_dim]
+        out = []
+        for x in xs:
+            shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+            out.append(x * cos.view(shape) + rotate_half(x) * sin.view(shape))
+        return tuple(out)
+
     def rotate_at(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """x [..., n, head_dim], every row rotated at the same position."""
         return x * self.cos[position] + rotate_half(x) * self.sin[position]

@@ -227,6 +227,35 @@ def test_the_row_block_makes_every_row_what_a_full_batch_gives_it():
         assert block >= 2 or dtype == torch.float32  # one row of 16-bit weights is never trusted
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merging_a_step_of_many_rows_gives_each_row_what_it_gets_alone(dtype):
+    """forward.merge_rows merges every row's window and memory parts in one set of ops: each row's output and
+    log-sum-exp must be bit for bit what merging it alone gives, with or without a memory part beside rows that
+    have one. (Laid out flat, 14 heads to a row, a row's log-sum-exps would change vector lanes with the batch, and
+    logaddexp gives some elements another last bit in the scalar tail.)"""
+    from emllm.forward import merge_rows
+
+    generator = torch.Generator().manual_seed(3)
+    heads, d = 14, 64
+
+    def part(with_memory: bool) -> tuple[torch.Tensor, ...]:
+        def out():
+            return torch.randn(1, heads, 1, d, generator=generator).to(dtype)
+
+        def lse():
+            return torch.randn(1, heads, 1, generator=generator) * 8
+        return (out(), lse(), out(), lse()) if with_memory else (out(), lse())
+
+    parts = [part(with_memory=row % 5 != 2) for row in range(40)]
+    out, lse = merge_rows(parts)
+    for row, alone in enumerate(parts):
+        own_out, own_lse = merge_rows([alone])
+        assert torch.equal(out[row:row + 1], own_out), row
+        assert torch.equal(lse[row:row + 1], own_lse), row
+    window_only = merge_rows([parts[2]])  # a row with nothing in memory: its window part as it is
+    assert torch.equal(window_only[0], parts[2][0]) and torch.equal(window_only[1], parts[2][1])
+
+
 def test_deferred_decoding_scores_pick_the_representatives_step_by_step_scoring_picks(monkeypatch):
     """Decoding steps' attention received is counted in batches (LayerMemory.defer_received): the scores and the
     representatives of events cut while answering must be what scoring each step as it runs gives."""
