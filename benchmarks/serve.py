@@ -237,7 +237,9 @@ def concurrency(args: argparse.Namespace, model: str, count: object, logs: Path,
             "alone_tokens_per_s": alone_rate, "together_tokens_per_s": together_rate,
             "speedup": together_rate / alone_rate,
             "same_answers": sum(a["text"] == t["text"] for a, t in zip(alone, together, strict=True)),
-            "second_question": args.second_question, "completion_tokens": [t["completion_tokens"] for t in together]}
+            "second_question": args.second_question, "completion_tokens": [t["completion_tokens"] for t in together],
+            "together_first_last_s": [(round(t["first_at"] - started, 2), round(t["last_at"] - started, 2))
+                                      for t in together]}
 
 
 def main() -> None:

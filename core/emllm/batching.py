@@ -45,6 +45,18 @@ GATHER_SECONDS = 0.05
 for eight threads to sample and detokenize their last token (a few ms each, one at a time under the GIL), short
 next to a step (100-500 ms on a CPU)."""
 
+SHORT_READ_TOKENS = 512
+"""Reads of at most this many tokens (a follow-up question with the answer before it: one chunk) go before decoding
+steps, as a server's prefills go before its decodes: a step waits for them (READ_PRIORITY_SECONDS at most), so
+the conversations that were reading join the next step instead of running beside it. Longer reads (a document)
+run beside the steps, which must not stall for their minutes."""
+
+READ_PRIORITY_SECONDS = 1.0
+"""Most a decoding step waits for short reads in progress: with reads arriving without end, decoding still makes a
+step a second. Measured on the 2-core AMD (benchmarks/serve.py --concurrent 8): eight follow-up questions of ~70
+tokens read at once take ~2.5 s; with a bound of 0.5 s the first to finish began decoding 0.6 s before the last,
+in steps of fewer rows that slowed the reads still running."""
+
 
 @dataclass
 class Generation:
@@ -75,6 +87,7 @@ class StepBatcher:
         self._pending: list[_Step] = []
         self._generations: list[Generation] = []  # inside decoding(): whose steps a batch waits for
         self._running = False
+        self._short_reads = 0  # reads of at most SHORT_READ_TOKENS in progress (StepBatcher.reading)
         self._last_end = 0.0
         self.max_rows = max_rows
         self.batch_sizes: list[int] = []  # rows of each forward run, for benchmarks (kept short)
@@ -92,6 +105,22 @@ class StepBatcher:
                 self._generations.remove(generation)
                 self._cond.notify_all()
             release_thread_workers()  # this thread is done with torch for now (see release_thread_workers)
+
+    @contextlib.contextmanager
+    def reading(self, tokens: int) -> Iterator[None]:
+        """Marks a read of ``tokens`` in progress (EMEngine.read): while a short one runs (SHORT_READ_TOKENS),
+        decoding steps wait for it, up to READ_PRIORITY_SECONDS."""
+        if tokens > SHORT_READ_TOKENS:
+            yield
+            return
+        with self._cond:
+            self._short_reads += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._short_reads -= 1
+                self._cond.notify_all()
 
     def relay(self, generation: Generation, deltas: Generator[str, None, Any]) -> Generator[str, None, Any]:
         """``deltas`` yielded on, the generation marked suspended while its caller holds each one; returns what
@@ -144,6 +173,8 @@ class StepBatcher:
         # Counted from the last batch's end too: steps queued while a batch ran must wait for that batch's rows to
         # sample their next token, or the two groups would alternate for ever, each half the size it could be.
         waited = time.perf_counter() - max(self._pending[0].queued, self._last_end)
+        if self._short_reads and waited < READ_PRIORITY_SECONDS:  # woken when a read ends
+            return READ_PRIORITY_SECONDS - waited
         if len(self._pending) >= min(self._decoding, self.max_rows) or waited >= self._gather:
             return None
         return self._gather - waited

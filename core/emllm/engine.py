@@ -249,19 +249,20 @@ class EMEngine:
             # what its queries attended to, must keep ranking events for the answer's tokens.
             return 0
         self._check_budget(memory, len(tokens))
-        if not self._storing_can_fail(memory, len(tokens)):
-            return self._read_tokens(memory, tokens, progress, question_start)
-        # Storing what is read can fail part-way (a disk budget met by more events than foreseen, a full disk): the
-        # read goes into a fork, adopted only once it has succeeded, so a failure leaves this memory as it was.
-        trial = memory.fork()
-        trial.attribution = memory.attribution
-        try:
-            read = self._read_tokens(trial, tokens, progress, question_start)
-        except BaseException:
-            trial.close("a trial read failed")
-            raise
-        memory.adopt(trial)
-        return read
+        with self.batcher.reading(len(tokens)):  # a short read goes before other conversations' decoding steps
+            if not self._storing_can_fail(memory, len(tokens)):
+                return self._read_tokens(memory, tokens, progress, question_start)
+            # Storing what is read can fail part-way (a disk budget met by more events than foreseen, a full disk):
+            # the read goes into a fork, adopted only once it has succeeded, so a failure leaves this memory as it was.
+            trial = memory.fork()
+            trial.attribution = memory.attribution
+            try:
+                read = self._read_tokens(trial, tokens, progress, question_start)
+            except BaseException:
+                trial.close("a trial read failed")
+                raise
+            memory.adopt(trial)
+            return read
 
     def _storing_can_fail(self, memory: EpisodicMemory, n: int) -> bool:
         """Whether reading ``n`` more tokens seals a page that may be written to disk (RAM has a budget). Reads that

@@ -213,6 +213,36 @@ def test_a_lone_step_runs_at_once_and_big_crowds_wait_for_the_next_forward():
     assert max(map(len, ran)) == 2  # never more rows than max_rows
 
 
+def test_decoding_steps_go_after_short_reads_but_never_stall_behind_reads():
+    """A follow-up question read while others decode goes first (its conversation then joins the next step instead
+    of slowing the one beside it); a document's read does not hold the steps, nor does a short read that runs
+    past READ_PRIORITY_SECONDS."""
+    from emllm.batching import READ_PRIORITY_SECONDS, SHORT_READ_TOKENS
+
+    events: list[str] = []
+    batcher = StepBatcher(lambda memories, tokens: events.append(f"step {tokens[0]}"))
+
+    def read(tokens: int, seconds: float, started: threading.Event) -> None:
+        with batcher.reading(tokens):
+            started.set()
+            time.sleep(seconds)
+            events.append(f"read {tokens}")
+
+    def step_during(tokens: int, seconds: float) -> None:
+        started = threading.Event()
+        reader = threading.Thread(target=read, args=(tokens, seconds, started))
+        reader.start()
+        started.wait()
+        batcher.step(object(), tokens)
+        reader.join()
+
+    step_during(70, 0.2)  # a short read: the step runs once it has ended
+    step_during(SHORT_READ_TOKENS + 1, 3 * READ_PRIORITY_SECONDS)  # a document: the step does not wait
+    step_during(SHORT_READ_TOKENS, 6 * READ_PRIORITY_SECONDS)  # short, but running long: waited for so long only
+    assert events == ["read 70", "step 70", f"step {SHORT_READ_TOKENS + 1}", f"read {SHORT_READ_TOKENS + 1}",
+                      f"step {SHORT_READ_TOKENS}", f"read {SHORT_READ_TOKENS}"]
+
+
 def test_the_row_block_makes_every_row_what_a_full_batch_gives_it():
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model(dtype)
