@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from .conftest import SMOL
 
@@ -379,6 +380,39 @@ def test_sessions_in_an_s3_bucket_survive_a_kill(s3_endpoint):
         folder = pointer.rsplit("/", 1)[0]
         generations = [p for p in bucket.ls(folder) if not p.endswith("/current")]
         assert generations == [f"{folder}/{bucket.cat_file(pointer).decode()}"]  # older generations are gone
+
+
+def test_a_turn_saved_again_in_an_s3_bucket_uploads_only_what_it_added(s3_endpoint, smol_fast):
+    """Through s3fs on the loopback S3 server: a session's next save puts up its new files only and has the bucket
+    copy the KV files its last generation holds (CopyObject), yet the new generation holds every file and loads
+    as the memory it saved."""
+    import s3fs
+
+    from emllm_integrations.serve.sessions import RemoteStore
+
+    from .conftest import make_engine
+
+    engine = make_engine(smol_fast, "S", page_tokens=64, n_init=16, n_local=128, n_mem=128, chunk_size=128,
+                         max_block_size=32)  # a small window: the state a save rewrites is small beside the KV
+    store = RemoteStore("s3://emllm-sessions/increments")
+    memory = engine.new_memory()
+    engine.read(memory, "The harbour log, day by day. " * 160)  # past the window: KV pages are stored
+    assert memory.store.num_tokens >= 8 * 64
+    store.save(engine, memory, "space/log")
+    first = store.uploaded_bytes
+    engine.read(memory, " The nets were mended on the quay.")
+    store.save(engine, memory, "space/log")
+    second = store.uploaded_bytes - first
+
+    bucket = s3fs.S3FileSystem(endpoint_url=s3_endpoint["AWS_ENDPOINT_URL"])
+    root = "emllm-sessions/increments/space/log"
+    generation = f"{root}/{bucket.cat_file(f'{root}/current').decode().strip()}"
+    held = sum(info["size"] for info in bucket.find(generation, detail=True).values())
+    assert 0 < second < held / 2 and held >= first * 0.9  # most of what the generation holds was copied, not sent
+    loaded = store.load(engine, "space/log", memory.config)
+    assert loaded.token_ids == memory.token_ids and loaded.store.num_tokens == memory.store.num_tokens
+    assert all(torch.equal(loaded.store.read_page(i), memory.store.read_page(i))
+               for i in range(memory.store.num_tokens // 64))
 
 
 FOLLOW_UPS = ("And what is the harbour master's cat called?", "Where were the nets mended?",
