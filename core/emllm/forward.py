@@ -91,7 +91,7 @@ def decoding_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor,
     at_window = torch.tensor(lengths, device=query.device)             # each row's new token's window position
     q_local, new_keys = rope.rotate_rows(at_window, query, key)               # [rows, heads | kv, 1, d]
     live = each_row(memories, list(own), lambda row: layers[row].append(key[row], value[row], new_keys[row]))
-    q_memory = memory_queries(query, memories, {row: own[row] for row in live}, layer_index, scaling)
+    q_memory = memory_queries(query, memories, {row: own[row] for row in live}, layers, scaling)
     live = [row for row in live if memories[row] is own[row]]  # retrieving may have failed a row
 
     parts: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -144,23 +144,21 @@ def each_row(memories: list[EpisodicMemory | FailedRow | None], rows: list[int],
 
 
 def memory_queries(query: torch.Tensor, memories: list[EpisodicMemory | FailedRow | None],
-                   own: dict[int, EpisodicMemory], layer_index: int, scaling: float) -> dict[int, torch.Tensor]:
-    """The decoding query [1, kv, groups, d] of each row of ``own`` that has a memory part, rotated for that part
-    and grouped by KV head, after retrieving the row's events for this forward (its plan permitting): at the fixed
-    memory distance (what retrieval ranks with under either position rule), or under memory_positions="ordered"
-    right after the memory part's m keys (at m + its window position). A row whose retrieval raises is marked
-    failed in ``memories`` and gets no query."""
+                   own: dict[int, EpisodicMemory], layers: dict[int, LayerMemory],
+                   scaling: float) -> dict[int, torch.Tensor]:
+    """The decoding query [1, kv, groups, d] of each row of ``own`` (its layer in ``layers``) that has a memory
+    part, rotated for that part and grouped by KV head, after retrieving the row's events for this forward (its
+    plan permitting): at the fixed memory distance (what retrieval ranks with under either position rule), or under
+    memory_positions="ordered" right after the memory part's m keys (at m + its window position). A row whose
+    retrieval raises is marked failed in ``memories`` and gets no query."""
     rows, heads, _, d = query.shape
     with_memory = [row for row, memory in own.items() if memory.has_memory_part]
     if not with_memory:
         return {}
-    layers = {row: own[row].layers[layer_index] for row in with_memory}
     rope, kv_heads = layers[with_memory[0]].rope, layers[with_memory[0]].shape.num_kv_heads
     grouped = (rows, kv_heads, heads // kv_heads, d)
-    n_local = {own[row].config.n_local for row in with_memory}
-    q_fixed = (rope.rotate_at(query, n_local.pop()) if len(n_local) == 1 else  # the same arithmetic, one position
-               rope.rotate_rows(torch.tensor([own[row].config.n_local if row in layers else 0 for row in range(rows)],
-                                             device=query.device), query)[0]).view(grouped)
+    n_local = [own[row].config.n_local if row in own else 0 for row in range(rows)]
+    q_fixed = rope.rotate_rows(torch.tensor(n_local, device=query.device), query)[0].view(grouped)
 
     def retrieve_row(row: int) -> None:
         if own[row].plan.retrieve and layers[row].index.size:
