@@ -17,7 +17,9 @@ of an event's and its neighbours' embeddings: no extra work), "smoothed" (an eve
 "bm25" (bm25s over the events' words, English stop words removed; bm25s is in the dev extra), "fused" (dense and
 bm25 standardised and summed, as scoring.Fused does), "fused_contextual" and "neighbourhood_fused" likewise, and
 "hop" (the question embedded again with each of its 3 best events' text; an event keeps its best score: a second
-look that can follow a bridge). Families that record a question's evidence sentences (the multi-hop chains, fact
+look that can follow a bridge). For variable tracking, "stepwise_*" asks whether each link is loaded when the answer
+needs it (link k once the answer has listed the chain's first k names, teacher-forced), by the question alone ("dense")
+or by retrieval that follows the answer (following_scores, scoring.AnswerText's ways). Families that record a question's evidence sentences (the multi-hop chains, fact
 QA, chronicle) count those events, every fact of a chain; the others count the events holding the answers."""
 
 from __future__ import annotations
@@ -116,6 +118,23 @@ def hop_scores(memory, dense: torch.Tensor, question_ids: list[int], starts: lis
     return torch.maximum(dense, (memory.texts.embeddings @ queries.T).max(dim=1).values)
 
 
+FOLLOWING = ("follow", "follow_max", "follow_answer")
+
+
+def following_scores(memory, engine, dense: torch.Tensor, question_ids: list[int], written: list[str]) -> dict:
+    """Retrieval that follows the answer, teacher-forced: the rankings a decoding step would use once the answer so
+    far is ``written`` (the chain's first names, as the model would list them). "follow": the question and the answer
+    so far embedded together; "follow_max": an event keeps the better of that and the question's cosine;
+    "follow_answer": the question's and the answer's own cosines standardised and summed (scoring.Fused's way)."""
+    if not written:
+        return dict.fromkeys(FOLLOWING, dense)
+    answer_ids = engine.tokenize(", ".join(written))
+    together, alone = memory.texts.embedder([question_ids + answer_ids, answer_ids])
+    follow = memory.texts.embeddings @ together
+    return {"follow": follow, "follow_max": torch.maximum(dense, follow),
+            "follow_answer": standardise(dense) + standardise(memory.texts.embeddings @ alone)}
+
+
 def _evidence(task: str, length: int, settings: BenchSettings, engine) -> list[tuple[str, ...]]:
     """Per question, the sentences it needs (a multi-hop chain's every fact), for families that record them; empty
     tuples (count the answers' events) for the others."""
@@ -176,6 +195,13 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
                 chosen = selected(scores, sizes, config)
                 found = [all(e in chosen for e in events) for events in in_memory]
                 row[name] = sum(found) / len(found)
+            if task == "variable_tracking":  # the link assigning name k is needed once the answer lists k names
+                steps = [{"dense": dense} | following_scores(memory, engine, dense, question_ids, list(expected[:k]))
+                         for k in range(len(in_memory))]
+                for name in ("dense", *FOLLOWING):
+                    found = [all(e in selected(step[name], sizes, config) for e in events)
+                             for step, events in zip(steps, in_memory)]
+                    row[f"stepwise_{name}"] = sum(found) / len(found)
             rows.append(row)
         memory.close()
     names = ["dense", "hop", "contextual", "neighbourhood", "smoothed", "bm25", "fused", "fused_contextual",
@@ -185,6 +211,14 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
         group = [r for r in rows if r["task"] == task]
         table.append([task, len(group)] + [f"{sum(r[n] == 1 for r in group)} "
                                             f"({sum(r[n] for r in group) / len(group):.2f})" for n in names])
+    stepwise = [f"stepwise_{n}" for n in ("dense", *FOLLOWING)]
+    chains = [r for r in rows if stepwise[0] in r]
+    if chains:
+        names += stepwise
+        for line in table:
+            group = [r for r in chains if r["task"] == line[0]]
+            line += [f"{sum(r[n] == 1 for r in group)} ({sum(r[n] for r in group) / len(group):.2f})" if group
+                     else "–" for n in stepwise]
     md = markdown_table(["task", "questions", *names], "lr" + "r" * len(names), table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "event_ranking.json").write_text(json.dumps(rows, indent=1))

@@ -17,7 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .scoring import EventText, ForQuestions, Fused, Representatives, Scorer, relevance_bias_of, representative_search
+from .scoring import (AnswerText, EventText, ForQuestions, Fused, Representatives, Scorer, relevance_bias_of,
+                      representative_search)
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
@@ -253,6 +254,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # ED: E with EpMAN's differentiating attention (attention leans to the events the question ranks first).
     "ED": dict(segmentation="surprise", refinement="none", contiguity=0.3,
                scorer=ForQuestions(answering=EventText(relevance_bias=2.0))),
+    # EA: E whose ranking follows the answer (what it has written so far joins the question, every 4 tokens).
+    "EA": dict(segmentation="surprise", refinement="none", contiguity=0.3,
+               scorer=ForQuestions(answering=Fused((EventText(), AnswerText())))),
 }
 #: Fields of earlier EMConfigs that are now parameters of a scorer (saved memories with them still load).
 MOVED_FIELDS = {"relevance_bias": "EventText(relevance_bias=...)", "retrieval_backend": "Representatives(backend=...)",
@@ -290,7 +294,9 @@ def reference_markdown() -> str:
         "## Presets (the paper's, and E, ER: the question ranks events by their text)", "",
         "| preset | fields it sets |", "|---|---|", *presets, "",
         "Scorers (`emllm.scoring`): `Representatives()` (the paper's k-NN), `AttentionMass()`, `EventText()` (the "
-        "question's embedding against each event's text), `ForQuestions(reading, answering)`, `Pooled(inner)`, "
+        "question's embedding against each event's text), `AnswerText(every=4)` (the answer written so far against "
+        "each event's text, re-embedded every 4 tokens; preset EA), `ForQuestions(reading, answering)`, "
+        "`Pooled(inner)`, "
         "`Fused(parts, weights)`; compose them, e.g. `scorer=ForQuestions(answering=Fused((EventText(), "
         "Representatives())))`. A scorer's own parameters are set on it: `Representatives(backend=\"auto\", "
         "faiss_min_events=20000)` (how each layer's representatives are searched: torch, faiss, or faiss from that "

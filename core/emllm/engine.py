@@ -280,7 +280,7 @@ class EMEngine:
         question = len(tokens) if question_start is None else min(max(question_start - memory.total_tokens, 0),
                                                                       len(tokens))
         memory.begin_answer()  # these tokens are a new prompt: its question must not inherit the last answer's ranking
-        memory.ask(tokens[question:].tolist())
+        memory.ask(tokens[question:].tolist(), answer_from=memory.total_tokens + len(tokens))
         starts = [*range(0, question, chunk), *range(question, len(tokens), chunk)]
         with tqdm(total=len(tokens), unit="tok", desc="reading into memory", disable=not progress,
                   dynamic_ncols=True) as bar:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 Embedder = Callable[[list[list[int]]], torch.Tensor]  # token id lists -> [n, dim] unit rows
+_Cached = tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]  # ((vector, embeddings), cosines)
 
 
 class EventTexts:
@@ -22,15 +23,33 @@ class EventTexts:
         self.embedder = embedder
         self.embeddings = torch.empty(0, 0)              # [events embedded so far, dim] each event's text
         self.question: torch.Tensor | None = None        # [dim] the current prompt's question
-        self._scores: tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None] = (None, None)
+        self.answer: torch.Tensor | None = None          # [dim] what the current answer has written (AnswerText)
+        self.answer_from: int | None = None              # the absolute token position where the answer starts
+        self.answer_tokens = 0                           # tokens the answer had when ``answer`` was embedded
+        self._scores: _Cached = (None, None)
+        self._answer_scores: _Cached = (None, None)
 
-    def ask(self, question_ids: list[int]) -> None:
-        """Embed the prompt's question (token ids), which the answering forwards compare with every event's text."""
+    def ask(self, question_ids: list[int], answer_from: int | None = None) -> None:
+        """Embed the prompt's question (token ids), which the answering forwards compare with every event's text;
+        the answer to it starts at token ``answer_from`` (the end of the prompt; None: not followed)."""
         if self.embedder is not None and question_ids:
             self.question = self.embedder([question_ids])[0]
+        self.answer_from = answer_from
 
     def forget_question(self) -> None:
-        self.question = None
+        self.question = self.answer = self.answer_from = None
+        self.answer_tokens = 0
+
+    def follow(self, token_ids: Sequence[int], every: int) -> None:
+        """Embed the answer written so far (the tokens from ``answer_from``) when it has grown by ``every`` tokens
+        since the last time: one short embedding per ``every`` generated tokens (AnswerText)."""
+        if self.embedder is None or self.answer_from is None:
+            return
+        written = len(token_ids) - self.answer_from
+        if written < every or written // every == self.answer_tokens // every:
+            return
+        self.answer = self.embedder([list(token_ids[self.answer_from:])])[0]
+        self.answer_tokens = written
 
     def embed(self, token_ids: Sequence[int], starts: torch.Tensor, sizes: torch.Tensor) -> None:
         """Embed the text of the events (absolute ``starts``, ``sizes``) not embedded yet: on eviction while reading,
@@ -46,13 +65,26 @@ class EventTexts:
         """[events] cosine of the question with each event's text; None without a question or an embedder. The
         embeddings are new tensors whenever a question is asked or events are embedded, so identity is the cache key:
         an answer's decoding steps reuse one computation."""
-        if self.question is None or self.embedder is None:
-            return None
-        made_from, scores = self._scores
-        if made_from is None or made_from[0] is not self.question or made_from[1] is not self.embeddings:
-            scores = self.embeddings @ self.question if num_events else torch.zeros(0)
-            self._scores = ((self.question, self.embeddings), scores)
+        scores, self._scores = self._cosines(self.question, self._scores, num_events)
         return scores
+
+    def answer_scores(self, num_events: int) -> torch.Tensor | None:
+        """[events] cosine of the answer written so far with each event's text; None before the answer is embedded.
+        Cached as scores() is, so the steps between two refreshes reuse one computation."""
+        scores, self._answer_scores = self._cosines(self.answer, self._answer_scores, num_events)
+        return scores
+
+    def _cosines(self, vector: torch.Tensor | None, cached: _Cached, num_events: int) -> tuple[torch.Tensor | None,
+                                                                                                  _Cached]:
+        """(each event's cosine with ``vector``, the cache to keep): the cached cosines while neither the vector nor
+        the embeddings were replaced (they are new tensors whenever they change, so identity is the key)."""
+        if vector is None or self.embedder is None:
+            return None, cached
+        made_from, scores = cached
+        if made_from is not None and made_from[0] is vector and made_from[1] is self.embeddings:
+            return scores, cached
+        scores = self.embeddings @ vector if num_events else torch.zeros(0)
+        return scores, ((vector, self.embeddings), scores)
 
     @property
     def nbytes(self) -> int:

@@ -276,10 +276,11 @@ def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, 
     config = memory.config
     pinned = memory.plan.pinned
     scorer = Pinned(config.scorer, pinned) if pinned else config.scorer
-    # A query-free ranking of the same events under the same pins picks what it picked last time (the contiguity
-    # update is idempotent too), so an answer's decoding steps skip ~30 small ops per layer (memory.begin_answer
-    # clears the key for each new question).
-    fixed = (layer.index.size, pinned) if memory.plan.answering and query_free(scorer) else None
+    # A query-free ranking of the same events under the same pins and the same answer so far (AnswerText's refresh)
+    # picks what it picked last time (the contiguity update is idempotent too), so an answer's decoding steps skip
+    # ~30 small ops per layer (memory.begin_answer clears the key for each new question).
+    plan = memory.plan
+    fixed = (layer.index.size, pinned, plan.answer_version) if plan.answering and query_free(scorer) else None
     if fixed is not None and fixed == layer.fixed_retrieval:
         layer.retrievals += 1
         return

@@ -29,7 +29,7 @@ from .event_texts import EventTexts
 from .layer_memory import LayerMemory, ModelShape
 from .retrieval import gather_events, token_index_of_events
 from .rope import RotaryTable
-from .scoring import RetrievalPlan, relevance_bias_of
+from .scoring import RetrievalPlan, answer_cadence, relevance_bias_of
 from .storage import PageStore, release_freed_memory
 
 
@@ -75,6 +75,8 @@ class EpisodicMemory:
         # EpMAN's differentiating attention (EventText(relevance_bias=...)): how strongly answering forwards lean to
         # the retrieved events whose text the question ranks first; 0 = off.
         self.relevance_bias = relevance_bias_of(config.scorer)
+        # AnswerText: re-embed the answer written so far every this many generated tokens; 0 = not followed.
+        self.answer_every = answer_cadence(config.scorer)
         self.on_fork: Callable[[EpisodicMemory], None] | None = None  # set by the engine: forks close with it
         # Facts that change only when events are evicted, pins change or a question is asked, kept for every forward
         # (and every layer of it) until then: (what they were computed from, the fact).
@@ -105,8 +107,13 @@ class EpisodicMemory:
         """The plan of this memory's next forward, with the facts every retrieving layer reads (the pinned events, the
         question's text scores) computed once for the forward, or taken from the last forward while no event was
         evicted, no pin changed and no question was asked since."""
+        ranks = answering and retrieve
+        if ranks and self.answer_every:
+            self.texts.follow(self.token_ids, self.answer_every)
         return RetrievalPlan(retrieve=retrieve, answering=answering, pinned=self._pinned_events(),
-                             text_scores=self.text_scores() if answering and retrieve else None)
+                             text_scores=self.text_scores() if ranks else None,
+                             answer_scores=self.answer_scores() if ranks else None,
+                             answer_version=self.texts.answer_tokens)
 
     def begin_answer(self) -> None:
         """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh. Called by
@@ -117,9 +124,10 @@ class EpisodicMemory:
         self.texts.forget_question()
 
     # ------------------------------------------------------------------ event text (scoring.EventText)
-    def ask(self, question_ids: list[int]) -> None:
-        """Embed the prompt's question (token ids), which EventText compares with every event's text."""
-        self.texts.ask(question_ids)
+    def ask(self, question_ids: list[int], answer_from: int | None = None) -> None:
+        """Embed the prompt's question (token ids), which EventText compares with every event's text; its answer
+        starts at token ``answer_from`` (the prompt's end), which AnswerText follows from there."""
+        self.texts.ask(question_ids, answer_from)
 
     def embed_events(self) -> None:
         """Embed the text of the events formed since the last call (EventTexts.embed)."""
@@ -132,6 +140,14 @@ class EpisodicMemory:
             return None
         self.embed_events()
         return self.texts.scores(self.num_events)
+
+    def answer_scores(self) -> torch.Tensor | None:
+        """[events] cosine of the answer written so far with each event's text (AnswerText); None before it is
+        embedded. Recomputed only when the answer is re-embedded or events are evicted."""
+        if self.texts.answer is None:
+            return None
+        self.embed_events()
+        return self.texts.answer_scores(self.num_events)
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Record tokens just read and their surprise.

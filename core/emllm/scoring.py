@@ -13,6 +13,9 @@ accumulate lives in the forward's RetrievalPlan (shared by the layers of one for
     EMConfig(scorer=ForQuestions(answering=Fused((EventText(), Representatives()))))
                                                             # EpMAN without training: the question's embedding
                                                             #   ranks the events' text, fused with the model's own
+    EMConfig(scorer=ForQuestions(answering=Fused((EventText(), AnswerText()))))
+                                                            # retrieval that follows the answer (preset EA): what
+                                                            #   the answer has written joins the question
 
 Pins (EpisodicMemory.pin) are applied by the retriever around whatever scorer the config names (``Pinned``).
 """
@@ -48,6 +51,12 @@ class RetrievalPlan:
     text_scores: torch.Tensor | None = None
     """[e] cosine of the question's embedding with each event's text (answering forwards, for EventText); the same
     for every layer, so computed once per forward by the engine."""
+    answer_scores: torch.Tensor | None = None
+    """[e] cosine of the answer written so far with each event's text (answering forwards, for AnswerText): the same
+    for every layer, computed once per forward and refreshed at AnswerText's cadence; None before it has written any."""
+    answer_version: int = 0
+    """Tokens the answer had when answer_scores were computed (0: none): the retriever's reuse key, so a refreshed
+    answer ranks afresh while the steps between refreshes reuse the last choice."""
     pinned: tuple[int, ...] = ()
     """Stored events overlapping a pinned span (EpisodicMemory.pin), in input order: every retrieving layer puts them
     first; the same for every layer, so computed once per forward (once per eviction, in fact)."""
@@ -216,13 +225,47 @@ class EventText:
             raise ValueError(f"EventText's relevance_bias is a finite number >= 0 (0 = off), got {value!r}.")
 
     def score(self, step: ScoringStep) -> torch.Tensor:
-        scores = step.plan.text_scores
-        if scores is None:
-            if not step.plan.answering:
-                raise ValueError("EventText ranks events by a question, which only answering forwards have: compose "
-                                 "it as ForQuestions(answering=EventText()) so reading uses another scorer.")
-            return torch.zeros(step.event_sizes.shape[0])
+        return answering_scores(step, step.plan.text_scores, "EventText ranks events by a question, which only "
+                                "answering forwards have: compose it as ForQuestions(answering=EventText()) so "
+                                "reading uses another scorer.")
+
+
+@dataclass(frozen=True)
+class AnswerText:
+    """Retrieval that follows the answer: the cosine between the text the answer has written so far and each event's
+    text, re-embedded every ``every`` generated tokens (the same embedding model as EventText). A chain whose links
+    share no words with the question (variable tracking: "VAR B = VAR A", asked for A's value) is found link by link
+    as the answer names each one; composed with the question's ranking, ``Fused((EventText(), AnswerText()))``,
+    before the answer has written anything it adds nothing (all zeros, which Fused standardises to zeros)."""
+
+    __repr__ = short_repr
+
+    every: int = 4
+    """Re-embed the answer after every this many generated tokens (cost: one short embedding and a re-ranking per
+    layer each time; the steps between reuse the last choice)."""
+
+    uses_event_text = True
+    query_free = True
+
+    def __post_init__(self) -> None:
+        value = self.every
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"AnswerText's every is a positive number of generated tokens, got {value!r}.")
+
+    def score(self, step: ScoringStep) -> torch.Tensor:
+        return answering_scores(step, step.plan.answer_scores, "AnswerText ranks events by what an answer has "
+                                "written, which only answering forwards have: compose it as ForQuestions(answering="
+                                "Fused((EventText(), AnswerText()))) so reading uses another scorer.")
+
+
+def answering_scores(step: ScoringStep, scores: torch.Tensor | None, refusal: str) -> torch.Tensor:
+    """A text scorer's scores, computed once per forward into the plan: all zeros (no preference) in an answering
+    forward with nothing to rank by yet, and a reading forward, which has no question, refused with ``refusal``."""
+    if scores is not None:
         return scores
+    if not step.plan.answering:
+        raise ValueError(refusal)
+    return torch.zeros(step.event_sizes.shape[0])
 
 
 @dataclass(frozen=True)
@@ -344,6 +387,12 @@ def relevance_bias_of(scorer: Scorer) -> float:
     return biases.pop() if biases else 0.0
 
 
+def answer_cadence(scorer: Scorer) -> int:
+    """Every how many generated tokens the answer is re-embedded for the scorer's AnswerText parts (the most frequent
+    they ask for); 0 where it has none."""
+    return min((p.every for p in parts(scorer) if isinstance(p, AnswerText)), default=0)
+
+
 def uses_stored_keys(scorer: Scorer) -> bool:
     """Whether the scorer reads every stored key of a layer (the layer then keeps its float32 key copy current)."""
     return bool(getattr(scorer, "uses_stored_keys", False))
@@ -389,7 +438,7 @@ def scorer_from_names(scoring: str = "representatives", pooling: str = "none") -
 
 # ---------------------------------------------------------------------- saving a scorer with a memory
 BUILT_IN: dict[str, type] = {cls.__name__: cls for cls in (Representatives, AttentionMass, ForQuestions, Pooled,
-                                                             EventText, Fused)}
+                                                             EventText, AnswerText, Fused)}
 
 
 def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:

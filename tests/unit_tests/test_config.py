@@ -7,7 +7,7 @@ import re
 import pytest
 
 from emllm.config import DEFAULT_PRESET, PRESETS, ConfigError, EMConfig
-from emllm.scoring import EventText, ForQuestions, Fused, Representatives
+from emllm.scoring import AnswerText, EventText, ForQuestions, Fused, Representatives
 
 # The paper's ablation names and what each must mean (design.md section 4).
 EXPECTED_PRESETS = {
@@ -22,6 +22,7 @@ EXPECTED_PRESETS = {
     "E": ("surprise", "none", 0.3, "episodic"),
     "ER": ("surprise", "none", 0.3, "episodic"),
     "ED": ("surprise", "none", 0.3, "episodic"),
+    "EA": ("surprise", "none", 0.3, "episodic"),
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
@@ -55,7 +56,8 @@ def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
     assert EMConfig.from_preset("ER").scorer == ForQuestions(answering=Fused((EventText(), Representatives())))
     assert EMConfig.from_preset("ED").scorer == ForQuestions(answering=EventText(relevance_bias=2.0))
     assert relevance_bias_of(EMConfig.from_preset("ED").scorer) > 0 == relevance_bias_of(EMConfig.from_preset("E").scorer)
-    for name in ("E", "ER", "ED"):
+    assert EMConfig.from_preset("EA").scorer == ForQuestions(answering=Fused((EventText(), AnswerText(every=4))))
+    for name in ("E", "ER", "ED", "EA"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
 

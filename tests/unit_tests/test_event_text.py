@@ -9,7 +9,7 @@ import torch
 
 from emllm import EMConfig
 from emllm.persistence import load_memory, save_memory
-from emllm.scoring import (EventText, ForQuestions, Fused, Pooled, Representatives, RetrievalPlan, ScoringStep,
+from emllm.scoring import (AnswerText, EventText, ForQuestions, Fused, Pooled, Representatives, RetrievalPlan, ScoringStep,
                            relevance_bias_of, scorer_from_spec, scorer_to_spec, standardise, uses_event_text)
 
 from .tiny import TINY, Fixed, Recording, tiny_engine, token_ids
@@ -245,3 +245,96 @@ def test_query_free_is_said_through_compositions_and_only_for_text_rankings():
     assert not query_free(Representatives()) and not query_free(ForQuestions())
     assert not query_free(ForQuestions(answering=Fused((EventText(), Representatives()))))
     assert not query_free(Pooled(EventText())) and not query_free(AttentionMass())
+
+
+# ---------------------------------------------------------------------- retrieval that follows the answer
+def _asked_fork(engine, memory):
+    """A fork that has read a question of tokens unlike any event's, its answer starting right after."""
+    fork = memory.fork()
+    engine.read(fork, token_ids(6, seed=99), question_start=fork.total_tokens)
+    return fork
+
+
+def test_the_answer_is_re_embedded_at_its_cadence_from_what_it_has_written():
+    engine = tiny_engine("EA", scorer=ForQuestions(answering=Fused((EventText(), AnswerText(every=3)))))
+    memory = _read(engine, n=400)
+    fork = _asked_fork(engine, memory)
+    start = fork.total_tokens
+    assert fork.texts.answer_from == start and fork.answer_scores() is None  # nothing written yet
+    for step, token in enumerate(token_ids(7, seed=5), 1):  # as decoding feeds each sampled token
+        engine.forward(fork, torch.tensor([token]), retrieve=True, answering=True)
+        # The plan of forward k sees the k - 1 tokens written before it: refreshed at 3 and 6 written.
+        assert fork.texts.answer_tokens == (step - 1) // 3 * 3
+    expected = fork.texts.embedder([fork.token_ids[start:start + 6]])[0]
+    torch.testing.assert_close(fork.texts.answer, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fork.answer_scores(), fork.texts.embeddings @ expected)
+    engine.read(fork, [5, 6, 7], question_start=fork.total_tokens)  # the next prompt's answer starts afresh
+    assert fork.texts.answer is None and fork.texts.answer_tokens == 0 and fork.answer_scores() is None
+    fork.close()
+    memory.close()
+
+
+def test_an_event_the_answer_repeats_is_retrieved_by_every_layer_once_the_answer_is_re_embedded():
+    """The bridge of a chain is named by the answer, not the question: once the answer has written an event's text,
+    AnswerText ranks it first and every layer loads it, where the question's ranking alone did not."""
+    engine = tiny_engine("EA", scorer=ForQuestions(answering=Fused((EventText(), AnswerText(every=4)))))
+    memory = _read(engine, n=400)
+    fork = _asked_fork(engine, memory)
+    question_ranked = set(fork.text_scores().topk(3).indices.tolist())
+    target = next(e for e in range(memory.num_events) if e not in question_ranked and int(memory.event_sizes[e]) >= 8)
+    start = int(memory.event_boundaries()[target])
+    written = memory.token_ids[start:start + int(memory.event_sizes[target])]
+    for token in written:
+        engine.forward(fork, torch.tensor([token]), retrieve=True, answering=True)
+    assert int(fork.answer_scores().argmax()) == target
+    engine.forward(fork, torch.tensor([written[0]]), retrieve=True, answering=True)  # ranked with the refreshed answer
+    assert all(target in layer.retrieved_ids for layer in fork.layers)
+    fork.close()
+    memory.close()
+
+
+class _Versions(_Counted):
+    """Records the answer version each ranking call saw; reads event text as its inner scorer does."""
+
+    uses_event_text = True
+
+    def __init__(self, inner):
+        super().__init__(inner, free=True)
+        self.versions: list[int] = []
+
+    def score(self, step):
+        self.versions.append(step.plan.answer_version)
+        return super().score(step)
+
+
+def test_a_followed_answer_ranks_again_only_when_it_is_re_embedded_or_events_are_stored():
+    from emllm.scoring import answer_cadence
+
+    engine = tiny_engine("EA")
+    followed = ForQuestions(answering=Fused((EventText(), AnswerText(every=8))))
+    scorer = _Versions(followed)
+    memory = engine.new_memory(engine.config.replace(scorer=scorer))
+    memory.answer_every = answer_cadence(followed)  # the wrapper hides its parts from the memory's own lookup
+    ids = token_ids(300, seed=7)
+    engine.read(memory, ids[:280])
+    result = engine.generate(ids, memory=memory, max_new_tokens=60)
+    assert len(result.token_ids) == 60
+    answering = [version for version, (_, asked) in zip(scorer.versions, scorer.calls) if asked]
+    assert set(answering) == {0, 8, 16, 24, 32, 40, 48, 56}  # ranked afresh at every refresh
+    assert len(answering) // len(memory.layers) < 59          # and reused between them
+    memory.close()
+
+
+def test_answer_text_is_checked_composed_and_saved_as_a_description():
+    from emllm.scoring import answer_cadence, query_free
+
+    with pytest.raises(ValueError, match="every is a positive number"):
+        AnswerText(every=0)
+    with pytest.raises(ValueError, match="only answering forwards"):
+        AnswerText().score(ScoringStep(None, torch.zeros(1, 1, 2), 1.0, torch.ones(3), None, RetrievalPlan(), None))
+    no_answer = ScoringStep(None, torch.zeros(1, 1, 2), 1.0, torch.ones(3), None, RetrievalPlan(answering=True), None)
+    assert torch.equal(AnswerText().score(no_answer), torch.zeros(3))
+    scorer = ForQuestions(answering=Fused((EventText(), AnswerText(every=6), AnswerText(every=9))))
+    assert answer_cadence(scorer) == 6 and answer_cadence(ForQuestions(answering=EventText())) == 0
+    assert uses_event_text(scorer) and query_free(scorer)
+    assert scorer_from_spec(scorer_to_spec(scorer)) == scorer
