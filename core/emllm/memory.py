@@ -279,6 +279,8 @@ class EpisodicMemory:
             "sinks_split": self.sinks_split, "local_start": self.local_start, "track_surprise": self.track_surprise,
             "pinned_spans": self.pinned_spans, "layers": layers,
             "event_embeddings": self.texts.embeddings, "question_embedding": self.texts.question,
+            "answer_from": self.texts.answer_from, "answer_tokens": self.texts.answer_tokens,
+            "answer_embedding": self.texts.answer,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -295,6 +297,9 @@ class EpisodicMemory:
         # Embeddings are derived from the tokens: a saved memory leaves them out and embed_events() rebuilds them.
         self.texts.embeddings = state.get("event_embeddings", self.texts.embeddings)
         self.texts.question = state.get("question_embedding")
+        # The answer being followed (AnswerText): a fork made after a prompt was read follows the answer it generates.
+        self.texts.answer_from, self.texts.answer = state.get("answer_from"), state.get("answer_embedding")
+        self.texts.answer_tokens = int(state.get("answer_tokens", 0))
         for start, end in state["pinned_spans"]:  # pin() checks each span against the budget
             self.pin(int(start), int(end))
         for layer, layer_state in zip(self.layers, state["layers"]):

