@@ -285,12 +285,16 @@ def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, 
         layer.retrievals += 1
         return
     sizes = memory.event_sizes
-    candidates = min(layer.index.size, config.similarity_tokens // config.min_block_size + 1)
-    if layer.keeps_key_copy:  # kept current while reading, so an answering forward finds it filled
-        layer.stored_keys(memory.store)
-    step = ScoringStep(layer, queries, scaling, sizes, memory.store, memory.plan, candidates)
-    similar = fill_budget(rank_events(scorer.score(step), candidates, pinned), sizes,
-                          config.similarity_tokens).tolist()
+    similar = plan.similar.get(fixed) if fixed is not None else None
+    if similar is None:
+        candidates = min(layer.index.size, config.similarity_tokens // config.min_block_size + 1)
+        if layer.keeps_key_copy:  # kept current while reading, so an answering forward finds it filled
+            layer.stored_keys(memory.store)
+        step = ScoringStep(layer, queries, scaling, sizes, memory.store, plan, candidates)
+        similar = fill_budget(rank_events(scorer.score(step), candidates, pinned), sizes,
+                              config.similarity_tokens).tolist()
+        if fixed is not None:  # a query-free ranking is the same in every layer: the others take this one
+            plan.similar[fixed] = similar
     neighbours = layer.contiguity.update(similar, sizes, layer.index.size)
     chosen = tuple(sorted(set(similar).union(neighbours)))
     layer.retrievals += 1

@@ -57,6 +57,9 @@ class RetrievalPlan:
     answer_version: int = 0
     """Tokens the answer had when answer_scores were computed (0: none): the retriever's reuse key, so a refreshed
     answer ranks afresh while the steps between refreshes reuse the last choice."""
+    similar: dict[tuple, list[int]] = dataclasses.field(default_factory=dict)
+    """A query-free ranking's similarity choice (the best events that fit the budget), by what it depends on: the
+    first layer to rank makes it, the forward's other layers take it, since every layer would rank the same."""
     pinned: tuple[int, ...] = ()
     """Stored events overlapping a pinned span (EpisodicMemory.pin), in input order: every retrieving layer puts them
     first; the same for every layer, so computed once per forward (once per eviction, in fact)."""

@@ -226,6 +226,15 @@ def test_a_query_free_ranking_is_not_run_again_until_events_are_stored():
     memory.close()
 
 
+def test_a_query_free_ranking_runs_once_per_forward_and_every_layer_takes_it():
+    """Every layer would rank the same (the scores come from the plan, not the layer's queries): the first layer to
+    retrieve ranks, the forward's others take its choice. A ranking that reads queries still runs in every layer."""
+    _, free_memory, free_calls = _answer(free=True)
+    _, ranked_memory, ranked_calls = _answer(free=False)
+    assert set(free_calls) == {0} and set(ranked_calls) == set(range(len(ranked_memory.layers)))
+    free_memory.close(), ranked_memory.close()
+
+
 def test_reusing_a_query_free_retrieval_answers_as_ranking_at_every_step():
     cached, cached_memory, cached_calls = _answer(free=True)
     ranked, ranked_memory, ranked_calls = _answer(free=False)
