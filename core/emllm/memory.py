@@ -136,18 +136,21 @@ class EpisodicMemory:
     def text_scores(self) -> torch.Tensor | None:
         """[events] cosine of the question with each event's text; None without a question or an embedder. Computed
         once per eviction and question: an answer's decoding steps reuse it."""
-        if self.texts.question is None or self.texts.embedder is None:
-            return None
-        self.embed_events()
-        return self.texts.scores(self.num_events)
+        return self._cosines(self.texts.question, self.texts.scores)
 
     def answer_scores(self) -> torch.Tensor | None:
         """[events] cosine of the answer written so far with each event's text (AnswerText); None before it is
         embedded. Recomputed only when the answer is re-embedded or events are evicted."""
-        if self.texts.answer is None:
+        return self._cosines(self.texts.answer, self.texts.answer_scores)
+
+    def _cosines(self, vector: torch.Tensor | None,
+                 cosines: Callable[[int], torch.Tensor | None]) -> torch.Tensor | None:
+        """``cosines`` of every event once the events formed since the last call are embedded; None without
+        ``vector`` (no question, or no answer embedded yet)."""
+        if vector is None:
             return None
         self.embed_events()
-        return self.texts.answer_scores(self.num_events)
+        return cosines(self.num_events)
 
     def observe(self, input_ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Record tokens just read and their surprise.

@@ -244,8 +244,8 @@ class AnswerText:
     __repr__ = short_repr
 
     every: int = 4
-    """Re-embed the answer after every this many generated tokens (cost: one short embedding and a re-ranking per
-    layer each time; the steps between reuse the last choice)."""
+    """Re-embed the answer after every this many generated tokens (cost each time: one short embedding, one ranking
+    for the forward, and each layer gathering the events it chose; the steps between reuse the last choice)."""
 
     uses_event_text = True
     query_free = True
