@@ -257,6 +257,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # EA: E whose ranking follows the answer (what it has written so far joins the question, every 4 tokens).
     "EA": dict(segmentation="surprise", refinement="none", contiguity=0.3,
                scorer=ForQuestions(answering=Fused((EventText(), AnswerText())))),
+    # EG: E that retrieves only the events whose text ranks within 0.1 of the best (look-alikes of a fact stay out).
+    "EG": dict(segmentation="surprise", refinement="none", contiguity=0.3,
+               scorer=ForQuestions(answering=EventText(within=0.1))),
 }
 #: Fields of earlier EMConfigs that are now parameters of a scorer (saved memories with them still load).
 MOVED_FIELDS = {"relevance_bias": "EventText(relevance_bias=...)", "retrieval_backend": "Representatives(backend=...)",
@@ -301,4 +304,6 @@ def reference_markdown() -> str:
         "Representatives())))`. A scorer's own parameters are set on it: `Representatives(backend=\"auto\", "
         "faiss_min_events=20000)` (how each layer's representatives are searched: torch, faiss, or faiss from that "
         "many events on) and `EventText(relevance_bias=0.0)` (EpMAN's differentiating attention: answering forwards "
-        "lean to the retrieved events whose text the question ranks first; preset ED sets 2.0).", ""])
+        "lean to the retrieved events whose text the question ranks first; preset ED sets 2.0) and "
+        "`EventText(within=None)` (retrieve only the events whose text cosine is within this of the best one's: a "
+        "fact's look-alikes stay out of attention; preset EG sets 0.1).", ""])

@@ -116,11 +116,13 @@ class EpisodicMemory:
                              answer_version=self.texts.answer_tokens)
 
     def begin_answer(self) -> None:
-        """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh. Called by
-        EMEngine.read, the one path every prompt is read by; forwards that do not answer never add to the mass."""
+        """Forget what the last answer's queries attended to and the neighbours queued before: a new prompt's question
+        ranks events afresh, and its memory part holds its own retrieval's neighbours. Called by EMEngine.read, the
+        one path every prompt is read by; forwards that do not answer never add to the mass."""
         for layer in self.layers:
             layer.answer_mass = None
             layer.fixed_retrieval = None
+            layer.contiguity.clear()
         self.texts.forget_question()
 
     # ------------------------------------------------------------------ event text (scoring.EventText)

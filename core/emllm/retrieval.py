@@ -151,6 +151,11 @@ class ContiguityBuffer:
         """Replace the queue with entries() of another buffer."""
         self._queue = OrderedDict((int(event), int(size)) for event, size in entries)
 
+    def clear(self) -> None:
+        """Empty the queue: a new question's memory part holds its own retrieval's neighbours, not the ones left by
+        the text read before it (values of other needles, say, without the keys that name them)."""
+        self._queue.clear()
+
     def update(self, retrieved: list[int], sizes: list[int] | torch.Tensor, num_events: int) -> list[int]:
         """Enqueue the neighbours of this step's retrieved events (best first); return the queue minus those
         events. The worst-ranked go in first, so that over budget the neighbours of the best-ranked events stay: a

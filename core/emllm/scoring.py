@@ -219,6 +219,11 @@ class EventText:
     """Answering: add this * (event's text cosine - best retrieved one's) to its keys' logits (EpMAN's differentiating
     attention, forward.relevance_bias); 0 = off."""
 
+    within: float | None = None
+    """Answering: retrieve only the events whose text cosine is within this of the best event's (None: fill the
+    similarity budget best first). A question one fact answers ranks that fact far above the rest, so its
+    look-alikes stay out of attention; a question whose evidence ranks flat keeps the whole budget."""
+
     uses_event_text = True
     query_free = True
 
@@ -226,11 +231,18 @@ class EventText:
         value = self.relevance_bias
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
             raise ValueError(f"EventText's relevance_bias is a finite number >= 0 (0 = off), got {value!r}.")
+        within = self.within
+        if within is not None and (not isinstance(within, (int, float)) or isinstance(within, bool)
+                                   or not 0 < within <= 2):
+            raise ValueError(f"EventText's within is a cosine margin in (0, 2] (None = off), got {within!r}.")
 
     def score(self, step: ScoringStep) -> torch.Tensor:
-        return answering_scores(step, step.plan.text_scores, "EventText ranks events by a question, which only "
-                                "answering forwards have: compose it as ForQuestions(answering=EventText()) so "
-                                "reading uses another scorer.")
+        scores = answering_scores(step, step.plan.text_scores, "EventText ranks events by a question, which only "
+                                  "answering forwards have: compose it as ForQuestions(answering=EventText()) so "
+                                  "reading uses another scorer.")
+        if self.within is None or not scores.numel():
+            return scores
+        return scores.masked_fill(scores < scores.max() - self.within, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -457,7 +469,7 @@ def scorer_to_spec(scorer: Scorer) -> dict[str, Any]:
 def _field_to_spec(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_field_to_spec(v) for v in value]
-    return value if isinstance(value, (int, float, str)) else scorer_to_spec(value)
+    return value if value is None or isinstance(value, (int, float, str)) else scorer_to_spec(value)
 
 
 def scorer_from_spec(spec: Any) -> Scorer:
@@ -476,6 +488,6 @@ def scorer_from_spec(spec: Any) -> Scorer:
 def _field_from_spec(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_field_from_spec(v) for v in value)
-    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+    if value is None or (isinstance(value, (int, float, str)) and not isinstance(value, bool)):
         return value
     return scorer_from_spec(value)

@@ -23,6 +23,7 @@ EXPECTED_PRESETS = {
     "ER": ("surprise", "none", 0.3, "episodic"),
     "ED": ("surprise", "none", 0.3, "episodic"),
     "EA": ("surprise", "none", 0.3, "episodic"),
+    "EG": ("surprise", "none", 0.3, "episodic"),
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
@@ -57,7 +58,8 @@ def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
     assert EMConfig.from_preset("ED").scorer == ForQuestions(answering=EventText(relevance_bias=2.0))
     assert relevance_bias_of(EMConfig.from_preset("ED").scorer) > 0 == relevance_bias_of(EMConfig.from_preset("E").scorer)
     assert EMConfig.from_preset("EA").scorer == ForQuestions(answering=Fused((EventText(), AnswerText(every=4))))
-    for name in ("E", "ER", "ED", "EA"):
+    assert EMConfig.from_preset("EG").scorer == ForQuestions(answering=EventText(within=0.1))
+    for name in ("E", "ER", "ED", "EA", "EG"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
 

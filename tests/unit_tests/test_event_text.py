@@ -101,6 +101,73 @@ def test_event_text_refuses_reading_forwards_and_has_no_preference_without_a_que
                        torch.tensor([0.1, 0.9, 0.2]))
 
 
+def test_within_leaves_out_the_events_far_below_the_best_one():
+    """EventText(within=m): events whose cosine is more than m below the best are never retrieved (-inf); with no
+    question yet (all zeros) nothing is left out."""
+    cosines = torch.tensor([0.30, 0.92, 0.55, 0.80, 0.10])
+    scored = EventText(within=0.2).score(_step(5, text_scores=cosines))
+    assert torch.equal(torch.isfinite(scored), torch.tensor([False, True, False, True, False]))
+    torch.testing.assert_close(scored[[1, 3]], cosines[[1, 3]])
+    assert torch.equal(EventText(within=0.2).score(_step(4)), torch.zeros(4))
+    assert torch.equal(EventText().score(_step(5, text_scores=cosines)), cosines)
+
+
+def test_a_new_question_s_contiguity_buffer_holds_only_its_own_neighbours():
+    """Neighbours queued while the text was read (a needle's value without the key that names it, say) leave at a
+    new question: its memory part is its own retrieval and that retrieval's neighbours. A budget with room to spare
+    (n_mem 400) and a narrow retrieval (within 0.01) would otherwise keep them."""
+    engine = tiny_engine("EG", n_mem=400, scorer=ForQuestions(answering=EventText(within=0.01)))
+    memory = _read(engine, n=400)
+    target = memory.num_events // 3
+    start = int(memory.event_boundaries()[target])
+    fork = memory.fork()
+    read_left = [{event for event, _ in layer.contiguity.entries()} for layer in fork.layers]
+    engine.read(fork, memory.token_ids[start:start + int(memory.event_sizes[target])], question_start=fork.total_tokens)
+    for layer, left in zip(fork.layers, read_left):
+        queued = {event for event, _ in layer.contiguity.entries()}
+        similar = set(layer.retrieved_ids) - queued
+        own = {n for e in similar for n in (e - 1, e + 1)}
+        assert target in similar and queued and queued <= own
+        assert left - own  # reading had queued others, which are gone
+    fork.close()
+    memory.close()
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, 2.5, float("nan"), True, "0.2"])
+def test_within_is_checked(value):
+    with pytest.raises(ValueError, match="within is a cosine margin"):
+        EventText(within=value)
+
+
+def test_within_survives_saving_as_a_description_set_or_not():
+    for scorer in (ForQuestions(answering=EventText(within=0.1)), ForQuestions(answering=EventText())):
+        assert scorer_from_spec(scorer_to_spec(scorer)) == scorer
+
+
+def test_a_question_one_event_answers_retrieves_only_the_events_near_its_best_score():
+    """Preset EG: a question repeating one event's text retrieves (by similarity) only the events within 0.1 of
+    that event's cosine in every layer, where E fills its budget; the contiguity buffer still adds neighbours."""
+    results = {}
+    for preset in ("E", "EG"):
+        engine = tiny_engine(preset)
+        memory = _read(engine, n=400)
+        target = memory.num_events // 3
+        start = int(memory.event_boundaries()[target])
+        fork = memory.fork()
+        engine.read(fork, memory.token_ids[start:start + int(memory.event_sizes[target])],
+                    question_start=fork.total_tokens)
+        scores = fork.text_scores()
+        near = {int(e) for e in torch.nonzero(scores >= scores.max() - 0.1).flatten()}
+        neighbours = {n for e in near for n in (e - 1, e + 1)}
+        for layer in fork.layers:
+            assert target in layer.retrieved_ids
+            assert set(layer.retrieved_ids) <= near | neighbours or preset == "E"
+        results[preset] = len(fork.layers[0].retrieved_ids)
+        fork.close()
+        memory.close()
+    assert results["EG"] < results["E"]
+
+
 def test_fused_adds_standardised_scores_by_weight():
     a, b = torch.tensor([1.0, 2.0, 3.0, 10.0]), torch.tensor([400.0, 100.0, 300.0, 200.0])
     fused = Fused((Fixed(a), Fixed(b)), (1.0, 2.0)).score(_step(4))
