@@ -286,6 +286,8 @@ class EMEngine:
                   dynamic_ncols=True) as bar:
             for start, end in zip(starts, [*starts[1:], len(tokens)]):
                 piece = tokens[start:end]
+                if start == question:
+                    memory.begin_question()
                 self.forward(memory, piece, retrieve=True, answering=end > question)
                 bar.update(len(piece))
                 bar.set_postfix(events=memory.num_events, refresh=False)

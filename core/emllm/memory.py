@@ -116,14 +116,19 @@ class EpisodicMemory:
                              answer_version=self.texts.answer_tokens)
 
     def begin_answer(self) -> None:
-        """Forget what the last answer's queries attended to and the neighbours queued before: a new prompt's question
-        ranks events afresh, and its memory part holds its own retrieval's neighbours. Called by EMEngine.read, the
-        one path every prompt is read by; forwards that do not answer never add to the mass."""
+        """Forget what the last answer's queries attended to: a new prompt's question ranks events afresh. Called by
+        EMEngine.read, the one path every prompt is read by; forwards that do not answer never add to the mass."""
         for layer in self.layers:
             layer.answer_mass = None
             layer.fixed_retrieval = None
-            layer.contiguity.clear()
         self.texts.forget_question()
+
+    def begin_question(self) -> None:
+        """Empty every layer's contiguity buffer as the question's first forward starts: its memory part holds its own
+        retrieval's neighbours, not those queued while the text before it was read. A read with no question (a
+        document read in several calls) keeps them, so it reads as it would in one call."""
+        for layer in self.layers:
+            layer.contiguity.clear()
 
     # ------------------------------------------------------------------ event text (scoring.EventText)
     def ask(self, question_ids: list[int], answer_from: int | None = None) -> None:

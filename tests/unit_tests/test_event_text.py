@@ -133,6 +133,25 @@ def test_a_new_question_s_contiguity_buffer_holds_only_its_own_neighbours():
     memory.close()
 
 
+def test_only_a_question_empties_the_contiguity_buffer_and_only_where_it_starts(monkeypatch):
+    """A document read in two calls keeps its queued neighbours between them (it reads as in one call); a prompt of
+    text then a question empties the buffer once, as the question's first forward starts, after the text's chunks."""
+    from emllm.memory import EpisodicMemory
+
+    engine = tiny_engine("EG", n_mem=400)
+    tokens_at_clear = []
+    original = EpisodicMemory.begin_question
+    monkeypatch.setattr(EpisodicMemory, "begin_question",
+                        lambda self: (tokens_at_clear.append(self.total_tokens), original(self)))
+    memory = _read(engine, n=200)
+    engine.read(memory, token_ids(120, seed=4))
+    assert tokens_at_clear == []
+    prompt = token_ids(100, seed=5)
+    engine.read(memory, prompt, question_start=memory.total_tokens + 80)
+    assert tokens_at_clear == [memory.total_tokens - 20]
+    memory.close()
+
+
 @pytest.mark.parametrize("value", [0.0, -0.1, 2.5, float("nan"), True, "0.2"])
 def test_within_is_checked(value):
     with pytest.raises(ValueError, match="within is a cosine margin"):
