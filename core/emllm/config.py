@@ -22,7 +22,6 @@ from .scoring import (AnswerText, EventText, ForQuestions, Fused, Representative
 
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
-BoundarySnap = Literal["none", "sentence"]
 AttentionMode = Literal["episodic", "full"]
 MemoryPositions = Literal["fixed", "ordered"]
 
@@ -63,8 +62,6 @@ class EMConfig:
     """Where events are cut: "surprise" (the paper, Eq. 1) or "fixed" every max_block_size tokens (InfLLM)."""
     refinement: Refinement = "none"
     """Boundary refinement by graph "modularity" or "conductance" over key similarity (paper 3.3), or "none"."""
-    boundary_snap: BoundarySnap = "none"
-    """"sentence": each boundary moves back to the start of its sentence (within max_block_size): whole sentences."""
     gamma: float = 1.0
     """Threshold T = mean + gamma * std of the preceding ``surprise_window`` surprise values (Eq. 1)."""
     surprise_window: int = 512
@@ -117,7 +114,6 @@ class EMConfig:
             raise ConfigError(f"n_init must be an integer >= 0, got {self.n_init!r}.")
         _check_choice("segmentation", self.segmentation, get_args(Segmentation))
         _check_choice("refinement", self.refinement, get_args(Refinement))
-        _check_choice("boundary_snap", self.boundary_snap, get_args(BoundarySnap))
         _check_choice("attention", self.attention, get_args(AttentionMode))
         _check_choice("memory_positions", self.memory_positions, get_args(MemoryPositions))
         if not isinstance(self.scorer, Scorer):
@@ -224,8 +220,7 @@ class EMConfig:
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "layout": ("n_init", "n_local", "n_mem", "chunk_size", "attention", "memory_positions"),
-    "segmentation": ("segmentation", "refinement", "boundary_snap", "gamma", "surprise_window", "min_block_size",
-                     "max_block_size"),
+    "segmentation": ("segmentation", "refinement", "gamma", "surprise_window", "min_block_size", "max_block_size"),
     "retrieval": ("repr_topk", "contiguity", "contiguity_neighbours", "scorer", "event_embedding"),
     "storage": ("page_tokens", "ram_budget_mb", "device_budget_mb", "offload_dir", "disk_budget_mb",
                 "max_input_tokens"),
@@ -265,9 +260,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # EG: E that retrieves only the events whose text ranks within 0.1 of the best (look-alikes of a fact stay out).
     "EG": dict(segmentation="surprise", refinement="none", contiguity=0.3,
                scorer=ForQuestions(answering=EventText(within=0.1))),
-    # ES: E whose events start where sentences do (a fact is not cut in two halves that retrieval loads apart).
-    "ES": dict(segmentation="surprise", refinement="none", contiguity=0.3, boundary_snap="sentence",
-               scorer=ForQuestions(answering=EventText())),
 }
 #: Fields of earlier EMConfigs that are now parameters of a scorer (saved memories with them still load).
 MOVED_FIELDS = {"relevance_bias": "EventText(relevance_bias=...)", "retrieval_backend": "Representatives(backend=...)",

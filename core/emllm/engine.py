@@ -40,7 +40,6 @@ from .memory import EpisodicMemory, because
 from .models import prepare_loaded
 from .rope import RotaryTable
 from .scoring import RetrievalPlan, uses_event_text
-from .segmentation import SentenceEdges
 from .tools import CALL_CLOSE, CALL_OPEN, check_tools
 
 __all__ = ["EMEngine", "EncodedPrompt", "GenerationResult", "Inspection", "MemoryMismatchError", "TextStream",
@@ -87,7 +86,6 @@ class EMEngine:
         self.store_device = self.layer_devices[0]
         self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.codec = PromptCodec(tokenizer)  # prompts to token ids, one template render per call
-        self._sentence_edges: SentenceEdges | None = None  # boundary_snap="sentence", built on first use
         self._memories: weakref.WeakSet[EpisodicMemory] = weakref.WeakSet()  # every memory made, forks included
         # llguidance, compiled on first use
         self.grammars = GrammarCompiler(tokenizer, int(model.config.vocab_size), self.eos_ids)
@@ -130,17 +128,9 @@ class EMEngine:
         memory = EpisodicMemory(config, self.shape, self.layer_devices, ropes, self.store_device)
         if uses_event_text(config.scorer):
             memory.texts.embedder = self._event_text_embedder(config.event_embedding)
-        if config.boundary_snap == "sentence":
-            memory.sentence_edges = self.sentence_edges()
         memory.on_fork = self._memories.add
         self._memories.add(memory)
         return memory
-
-    def sentence_edges(self) -> SentenceEdges:
-        """The tokenizer's sentence edges (boundary_snap="sentence"), built on first use and shared by every memory."""
-        if self._sentence_edges is None:
-            self._sentence_edges = SentenceEdges.from_tokenizer(self.tokenizer)
-        return self._sentence_edges
 
     def _event_text_embedder(self, name: str) -> Callable[[list[list[int]]], torch.Tensor]:
         """Token id lists -> unit vectors of their text, for scoring.EventText. The sentence-transformers model is

@@ -78,8 +78,6 @@ class EpisodicMemory:
         # AnswerText: re-embed the answer written so far every this many generated tokens; 0 = not followed.
         self.answer_every = answer_cadence(config.scorer)
         self.on_fork: Callable[[EpisodicMemory], None] | None = None  # set by the engine: forks close with it
-        # Set by the engine when boundary_snap="sentence": which tokens end a sentence, in the model's vocabulary.
-        self.sentence_edges: segmentation.SentenceEdges | None = None
         # Facts that change only when events are evicted, pins change or a question is asked, kept for every forward
         # (and every layer of it) until then: (what they were computed from, the fact).
         self._boundaries: tuple[torch.Tensor | None, torch.Tensor] = (None, torch.empty(0, dtype=torch.long))
@@ -255,20 +253,8 @@ class EpisodicMemory:
             adjacency = segmentation.key_similarity(keys)
             boundaries = segmentation.refine_boundaries(adjacency, boundaries.to(adjacency.device),
                                                         config.refinement).cpu()
-        if config.boundary_snap == "sentence" and boundaries.numel():
-            boundaries = segmentation.snap_to_sentences(boundaries.cpu(), self.sentence_starts(region),
-                                                        reach=config.max_block_size)
         return segmentation.enforce_event_sizes(boundaries.cpu(), region, config.min_block_size,
                                                 config.max_block_size, last_is_open=True)
-
-    def sentence_starts(self, region: int) -> torch.Tensor:
-        """bool [region]: which of the first ``region`` window tokens begin a sentence (boundary_snap)."""
-        if self.sentence_edges is None:
-            raise RuntimeError('boundary_snap="sentence" needs the tokenizer\'s sentence edges; create the memory with '
-                               "EMEngine.new_memory (or set memory.sentence_edges = SentenceEdges.from_tokenizer(t)).")
-        first = self.local_start
-        ids = torch.tensor(self.token_ids[first:first + region], dtype=torch.long)
-        return self.sentence_edges.starts(ids, self.token_ids[first - 1] if first > 0 else None)
 
     # ------------------------------------------------------------------ forking
     def fork(self) -> EpisodicMemory:
@@ -282,7 +268,6 @@ class EpisodicMemory:
         for mine, theirs in zip(child.layers, self.layers):
             mine.share_key_copy(theirs)
         child.on_fork, child.texts.embedder = self.on_fork, self.texts.embedder
-        child.sentence_edges = self.sentence_edges
         if self.on_fork is not None:
             self.on_fork(child)
         release_thread_workers()  # the copies' idle OpenMP workers would slow other threads' forwards (batching.py)

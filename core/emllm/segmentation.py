@@ -176,68 +176,6 @@ def enforce_event_sizes(boundaries: Tensor, n: int, min_size: int, max_size: int
 
 
 # -----------------------------------------------------------------------------
-# sentence edges
-
-_STOPS = (".", "!", "?", "\u3002", "\uff01", "\uff1f", "\u2026")  # . ! ? and their CJK forms, the ellipsis
-_CLOSERS = "\"')]\u201d\u2019\u00bb"  # quotes and brackets that may follow a sentence's stop
-
-
-class SentenceEdges:
-    """Which tokens of a vocabulary can end a sentence, so that events can start where sentences do.
-
-    Built once per tokenizer from each token's own text. A sentence starts after a token that ends a line, after
-    a stop (. ! ? with any closing quote or bracket) followed by white space, or after a stop token when the next
-    token opens with white space ("." then " The"). A stop inside a word or number ("3.14", "e.g") starts nothing.
-    """
-
-    def __init__(self, breaks: Tensor, stops: Tensor, opens: Tensor):
-        self.breaks, self.stops, self.opens = breaks, stops, opens  # bool [vocab] each
-
-    @classmethod
-    def from_texts(cls, texts: list[str]) -> "SentenceEdges":
-        """From each token id's text (index = id)."""
-        def stop(text: str) -> bool:
-            return text.rstrip().rstrip(_CLOSERS).endswith(_STOPS)
-        breaks = [text.rstrip(" \t").endswith("\n") or (stop(text) and text[-1:].isspace()) for text in texts]
-        return cls(torch.tensor(breaks, dtype=torch.bool), torch.tensor([stop(t) for t in texts], dtype=torch.bool),
-                   torch.tensor([t[:1].isspace() for t in texts], dtype=torch.bool))
-
-    @classmethod
-    def from_tokenizer(cls, tokenizer) -> "SentenceEdges":
-        """From a Hugging Face tokenizer: every id decoded alone (a second or two for a 150K vocabulary)."""
-        return cls.from_texts(tokenizer.batch_decode([[i] for i in range(len(tokenizer))]))
-
-    def starts(self, ids: Tensor, previous: int | None) -> Tensor:
-        """bool [n]: token ids[i] begins a sentence; ``previous`` is the id read just before ids[0] (None: none)."""
-        ids = ids.long()
-        before = torch.cat([ids.new_tensor([-1 if previous is None else previous]), ids[:-1]])
-        size = self.breaks.shape[0]  # ids past the table (tokens added to the tokenizer) end and open nothing
-        known, inside = (before >= 0) & (before < size), ids < size
-        before, ids = torch.where(known, before, 0), torch.where(inside, ids, 0)
-        return known & (self.breaks[before] | (self.stops[before] & self.opens[ids] & inside))
-
-
-def snap_to_sentences(boundaries: Tensor, sentence_starts: Tensor, reach: int) -> Tensor:
-    """Move each boundary back to the start of the sentence it falls in, when that start lies within ``reach``
-    tokens; boundaries that land on one start become one, and a start at 0 is no boundary.
-
-    Surprise often peaks inside a sentence (a name, a number), and an event cut there holds half a fact: the other
-    half sits in a neighbour that retrieval may not load, and the reader pairs the half with another fact's. Moving
-    back keeps the surprising token in the new event, as Eq. 1 places it. Text with no sentence start within
-    ``reach`` (code on one line, a run of digits) keeps the surprise boundary where it is.
-    """
-    if boundaries.numel() == 0:
-        return boundaries
-    n = sentence_starts.shape[0]
-    positions = torch.arange(n, device=sentence_starts.device)
-    latest = torch.where(sentence_starts, positions, -1).cummax(0).values  # [n] last sentence start at or before i
-    b = boundaries.to(sentence_starts.device).long()
-    start = latest[b]
-    moved = torch.where((start >= 0) & (b - start < reach), start, b)
-    return torch.unique(moved[moved > 0]).to(boundaries.device)
-
-
-# -----------------------------------------------------------------------------
 # similarity graph and metrics (Eq. 2-4)
 
 def key_similarity(keys: Tensor) -> Tensor:

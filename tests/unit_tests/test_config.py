@@ -24,7 +24,6 @@ EXPECTED_PRESETS = {
     "ED": ("surprise", "none", 0.3, "episodic"),
     "EA": ("surprise", "none", 0.3, "episodic"),
     "EG": ("surprise", "none", 0.3, "episodic"),
-    "ES": ("surprise", "none", 0.3, "episodic"),
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
@@ -60,9 +59,7 @@ def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
     assert relevance_bias_of(EMConfig.from_preset("ED").scorer) > 0 == relevance_bias_of(EMConfig.from_preset("E").scorer)
     assert EMConfig.from_preset("EA").scorer == ForQuestions(answering=Fused((EventText(), AnswerText(every=4))))
     assert EMConfig.from_preset("EG").scorer == ForQuestions(answering=EventText(within=0.1))
-    assert EMConfig.from_preset("ES").scorer == EMConfig.from_preset("E").scorer
-    assert EMConfig.from_preset("ES").boundary_snap == "sentence"
-    for name in ("E", "ER", "ED", "EA", "EG", "ES"):
+    for name in ("E", "ER", "ED", "EA", "EG"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
 
