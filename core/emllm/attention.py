@@ -75,7 +75,7 @@ def attention_received(q_local: torch.Tensor, keys: torch.Tensor, lse: torch.Ten
     kv_heads, window = keys.shape[1], keys.shape[2]
     if q == 1:  # a decoding step: its one query sees the whole window
         return received_by_steps(q_local[0, :, 0][None], keys[0], lse[0, :, 0][None],
-                                 torch.tensor([window], device=keys.device), scaling)
+                                 on_device([window], keys.device), scaling)
     rows = torch.arange(q - 1, -1, -max(1, q // SCORE_QUERIES), device=q_local.device)  # always includes the last
     sample = q_local[:, :, rows]                                                          # [1, heads, s, d]
     grouped = group_heads(sample, kv_heads)[0]                                            # [kv, g*s, d]
@@ -256,6 +256,14 @@ def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.T
     lse = functools.reduce(torch.logaddexp, [p[1] for p in parts])                # [1, heads, q]
     out = functools.reduce(torch.add, [o.float() * torch.exp(part_lse - lse)[..., None] for o, part_lse in parts])
     return out.to(parts[0][0].dtype), lse
+
+
+def on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """Per-row integers (positions, row numbers) as a tensor on ``device``, queued behind the work before it: a
+    blocking copy to a GPU waits until that work has run, and a decoding step makes several per layer, so the GPU
+    would idle while Python queued each layer's next ops. From pageable memory a non-blocking copy is staged at
+    once, so the list may be dropped straight after."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 def group_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -10,8 +10,9 @@ The same tokens alone or together: matmul kernels choose their blocking by the n
 can change with the batch it is in (greedy answers of 3 of 8 conversations changed when they shared forwards).
 ``row_block`` finds, once per model, the row multiple at which every linear layer gives each row the result it
 gets in a batch of ``MAX_ROWS``; every decoding forward, a lone conversation's included, is padded to a multiple of
-it (padding rows attend to nothing and cost little: reading the weights, not the rows, is the cost). Where no such
-multiple exists, or off the CPU (measured on a GPU: row_block), each conversation decodes in its own forward.
+it (padding rows attend to nothing and cost little: reading the weights, not the rows, is the cost). Off the CPU
+every forward is padded to ``MAX_ROWS`` itself: GPU GEMMs are chosen by row count, so only one shape is trusted
+(row_block). Where no multiple exists, each conversation decodes in its own forward.
 
 Who gets batched: every generation of one engine in its decoding loop, whichever thread runs it (MemoryPool callers,
 LangChain's batch/abatch, a web server's request threads). A thread that wants a step queues it; the first thread
@@ -201,10 +202,11 @@ class StepBatcher:
 def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
     """The row multiple from which the model's linear layers give every row the same result whatever the batch:
     decoding forwards padded to a multiple of it (up to ``most`` rows) give a row what it would get alone. None
-    where no such multiple exists up to ``most``.
+    where no such multiple exists up to ``most``; ``most`` itself off the CPU (one shape for every forward).
 
-    Probed once with random inputs of each layer's own shape, dtype and device, in inference mode as decoding runs
-    them (the kernel is chosen by shape, not values; one decoder layer stands for all). Measured on this project's
+    On the CPU, probed once with random inputs of each layer's own shape, dtype and device, in inference mode as
+    decoding runs them (the kernel is chosen by shape, not values; one decoder layer stands for all). Measured on this
+    project's
     CPU: float32 computes rows in blocks of 4 (a batch of 4 or 8 agrees with itself, 5 does not), bfloat16 agrees
     from 2 rows on. One row in 16-bit weights is never trusted: a single row takes a matrix-vector kernel whose
     rounding differs from the matrix kernels' only near a bf16 rounding boundary (1 element in 896 on a real
@@ -212,11 +214,12 @@ def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
     linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]
     linears.append(model.get_output_embeddings())
     if linears[-1].weight.device.type != "cpu":
-        # Measured on an H200 (Llama-3.1-8B shape, bf16): the probe found a block of 2, yet 4 of 8 conversations
-        # decoded together got other greedy tokens than alone (cuBLAS picks its GEMM by row count, and bf16
-        # outputs hide the difference from a probe), and sharing forwards gained 1.05x there (the per-row attention
-        # launches dominate a step). So off the CPU each conversation keeps its own forward.
-        return None
+        # Off the CPU every decoding forward has ``most`` rows. Measured on an H200 (Llama-3.1-8B shape, bf16): the
+        # probe found a block of 2, yet 4 of 8 conversations decoded together got other greedy tokens than alone:
+        # cuBLAS picks its GEMM (and its split of the reduction) by the row count, and bf16 outputs hide that from
+        # a probe. At one fixed shape the kernel is one, and a row's result is a function of that row alone; a
+        # decoding step reads the weights, not the rows, so eight rows cost a lone conversation next to nothing.
+        return most
     low_precision = linears[-1].weight.element_size() < 4
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():

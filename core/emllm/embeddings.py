@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+import weakref
 import zipfile
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -206,18 +207,28 @@ def _position_limit(model: Any) -> int:
     return positions - offset
 
 
+_ENCODING: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+
+
 def encode(model: Any, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
     """Normalised float32 embeddings [n, dim] (inner product = cosine); warns when a text is longer than the
-    model reads, instead of cutting it silently."""
-    limit = model.max_seq_length
-    lengths = [len(ids) for ids in model.tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
-    cut = sum(n > limit for n in lengths)
-    if cut:
-        warnings.warn(f"{cut} of {len(texts)} texts are longer than the {limit} word pieces the embedding model "
-                      f"reads (longest {max(lengths)}); only their first {limit} pieces are embedded. Use fewer "
-                      "chunk_words to embed whole chunks.", stacklevel=3)
-    vectors = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True,
-                           show_progress_bar=False)
+    model reads, instead of cutting it silently.
+
+    One call at a time per model: a fast tokenizer keeps its truncation setting in the one Rust object every call
+    shares, so a thread counting pieces (no truncation) between another's setting and its encoding let that one
+    through whole, past the position table (2 of 480 concurrent calls failed so; test_embeddings)."""
+    with _MODELS_LOCK:
+        lock = _ENCODING.setdefault(model, threading.Lock())
+    with lock:
+        limit = model.max_seq_length
+        lengths = [len(ids) for ids in model.tokenizer(list(texts), add_special_tokens=True)["input_ids"]]
+        cut = sum(n > limit for n in lengths)
+        if cut:
+            warnings.warn(f"{cut} of {len(texts)} texts are longer than the {limit} word pieces the embedding model "
+                          f"reads (longest {max(lengths)}); only their first {limit} pieces are embedded. Use fewer "
+                          "chunk_words to embed whole chunks.", stacklevel=3)
+        vectors = model.encode(list(texts), batch_size=batch_size, normalize_embeddings=True,
+                               convert_to_numpy=True, show_progress_bar=False)
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
@@ -228,6 +239,9 @@ class TextEmbedder:
     def __init__(self, name: Any = "minilm", device: str | None = None):
         self.name = str(name)
         self.model = load_embedding_model(name, device=device)
+        # On an accelerator a batch's cost is its launches, not its rows: a memory's waiting events (thousands at
+        # 128K tokens, EMEngine.embeds_on_eviction) go in few large batches. The CPU keeps encode's own 32.
+        self.batch_size = 32 if device in (None, "cpu") else 256
 
     @property
     def dim(self) -> int:
@@ -237,4 +251,4 @@ class TextEmbedder:
         """[n, dim] float32, each row of norm 1."""
         if not texts:
             return torch.empty(0, self.dim)
-        return torch.from_numpy(encode(self.model, texts))
+        return torch.from_numpy(encode(self.model, texts, batch_size=self.batch_size))

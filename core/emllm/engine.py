@@ -84,6 +84,11 @@ class EMEngine:
         self.input_device: torch.device = embeddings.weight.device
         self.vocab_size = int(embeddings.num_embeddings)  # ids at or past it are refused (_check_ids)
         self.store_device = self.layer_devices[0]
+        # On the CPU an event's text is embedded as it leaves the window, a small share of reading. On an accelerator
+        # a read is bound by launching kernels, and the embedder's launches and host copies in every eviction made
+        # preset E read at 0.54x S (an H100); there the events wait, and the first question that ranks by text
+        # embeds them all in one batched call (EpisodicMemory.text_scores, fork).
+        self.embeds_on_eviction = self.store_device.type == "cpu"
         self.eos_ids = end_of_turn_ids(model, tokenizer)
         self.codec = PromptCodec(tokenizer)  # prompts to token ids, one template render per call
         self._memories: weakref.WeakSet[EpisodicMemory] = weakref.WeakSet()  # every memory made, forks included
@@ -409,7 +414,7 @@ class EMEngine:
                         if isinstance(rows[row], FailedRow):
                             raise rows[row].error
                         memory.observe(ids[row], out.logits[row])
-                        if memory.evict():
+                        if memory.evict() and self.embeds_on_eviction:
                             memory.embed_events()  # each event's text is embedded once, when it leaves the window
                     except Exception as error:
                         if failures is None:

@@ -1,7 +1,8 @@
 """The text view of a memory's events, for scorers that rank events by what they say (scoring.EventText).
 
-Each event's text is embedded once, when it leaves the window (a sentence-transformers model the engine supplies); the
-prompt's question is embedded when it is read; their cosines rank events in the answering forwards. The embeddings are
+Each event's text is embedded once (a sentence-transformers model the engine supplies): as it leaves the window on the
+CPU, at the first question on an accelerator (EMEngine.embeds_on_eviction). The prompt's question is embedded when it
+is read; their cosines rank events in the answering forwards. The embeddings are
 derived from the tokens: forks share them (they are only ever replaced, never written in place), saves leave the
 event embeddings out and a loaded memory rebuilds them on its first question.
 """

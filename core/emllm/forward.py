@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .attention import (attend, attention_given, attention_received, episodic_attention, group_heads,
+from .attention import (attend, attention_given, attention_received, episodic_attention, group_heads, on_device,
                         ungroup_part)
 from .layer_memory import LayerMemory
 from .memory import EpisodicMemory
@@ -88,7 +88,7 @@ def decoding_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor,
     rope = next(iter(layers.values())).rope  # one table per device, shared by every memory of an engine
     lengths = [layers[row].length if row in layers else 0 for row in range(rows)]
     rope.ensure(max(lengths) + 1)
-    at_window = torch.tensor(lengths, device=query.device)             # each row's new token's window position
+    at_window = on_device(lengths, query.device)                       # each row's new token's window position
     q_local, new_keys = rope.rotate_rows(at_window, query, key)               # [rows, heads | kv, 1, d]
     live = each_row(memories, list(own), lambda row: layers[row].append(key[row], value[row], new_keys[row]))
     q_memory = memory_queries(query, memories, {row: own[row] for row in live}, layers, scaling)
@@ -122,7 +122,7 @@ def decoding_attention(layer_index: int, query: torch.Tensor, key: torch.Tensor,
 
     each_row(memories, live, record_row)
     if len(live) < rows:  # padding and failed rows attend to nothing
-        out = torch.zeros_like(query).index_copy_(0, torch.tensor(live, device=query.device), out)
+        out = torch.zeros_like(query).index_copy_(0, on_device(live, query.device), out)
     return out.transpose(1, 2)  # [rows, 1, heads, d]
 
 
@@ -158,7 +158,7 @@ def memory_queries(query: torch.Tensor, memories: list[EpisodicMemory | FailedRo
     rope, kv_heads = layers[with_memory[0]].rope, layers[with_memory[0]].shape.num_kv_heads
     grouped = (rows, kv_heads, heads // kv_heads, d)
     n_local = [own[row].config.n_local if row in own else 0 for row in range(rows)]
-    q_fixed = rope.rotate_rows(torch.tensor(n_local, device=query.device), query)[0].view(grouped)
+    q_fixed = rope.rotate_rows(on_device(n_local, query.device), query)[0].view(grouped)
 
     def retrieve_row(row: int) -> None:
         if own[row].plan.retrieve and layers[row].index.size:
@@ -170,7 +170,7 @@ def memory_queries(query: torch.Tensor, memories: list[EpisodicMemory | FailedRo
     if ordered:
         after = [layers[row].memory_keys.shape[1] + layers[row].length - 1 if row in ordered else 0
                  for row in range(rows)]
-        q_after = rope.rotate_rows(torch.tensor(after, device=query.device), query)[0].view(grouped)
+        q_after = rope.rotate_rows(on_device(after, query.device), query)[0].view(grouped)
         queries.update({row: q_after[row:row + 1] for row in ordered})
     return queries
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .attention import received_by_steps
+from .attention import on_device, received_by_steps
 from .config import EMConfig
 from .retrieval import ContiguityBuffer, RepresentativeIndex
 from .rope import RotaryTable
@@ -122,7 +122,8 @@ class LayerMemory:
         self._deferred = []
         width = max(visible)  # no token has left the window since (drop_oldest reads .scores first)
         self._received[:, :width] += received_by_steps(torch.stack(queries), self.window_keys()[:, :width],
-                                                       torch.stack(lse), torch.tensor(visible), self._deferred_scaling)
+                                                       torch.stack(lse), on_device(list(visible), self.device),
+                                                       self._deferred_scaling)
 
     def _grow(self, capacity: int) -> None:
         """Only full attention grows; episodic windows are preallocated at their maximum size."""

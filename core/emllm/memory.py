@@ -263,6 +263,7 @@ class EpisodicMemory:
         indexes, not of the evicted KV: a document read once can be questioned many times."""
         if self.closed:
             raise RuntimeError(f"This episodic memory was closed{because(self.closed_reason)}; it cannot be forked.")
+        self.embed_events()  # events whose text waits to be embedded (EMEngine.embeds_on_eviction): once, for both
         child = EpisodicMemory(self.config, self.shape, *self._placement, store=self.store.fork())
         child.load_state_dict(self.state_dict(with_caches=True))
         for mine, theirs in zip(child.layers, self.layers):

@@ -208,10 +208,11 @@ class Pooled:
 class EventText:
     """EpMAN's episodic attention without its training: the cosine between the question's embedding and each event's
     text embedding (both from the config's ``event_embedding`` sentence-transformers model; events are embedded when
-    evicted). The same ranking for every layer, and it sees what the words mean, where the model's representative
-    keys see what its layers attend to: a fact asked in other words than it was written in is found by the first
-    far more often past the window. Only an answering forward has a question: compose it as
-    ``ForQuestions(answering=EventText())``; a prompt with no new text to ask gets no preference (all zeros)."""
+    evicted, or on an accelerator at the first question). The same ranking for every layer, and it sees what the
+    words mean, where the model's representative keys see what its layers attend to: a fact asked in other words
+    than it was written in is found by the first far more often past the window. Only an answering forward has a
+    question: compose it as ``ForQuestions(answering=EventText())``; a prompt with no new text to ask gets no
+    preference (all zeros)."""
 
     __repr__ = short_repr
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from emllm.batching import StepBatcher, row_block
+from emllm.batching import MAX_ROWS, StepBatcher, row_block
 
 from .tiny import tiny_engine, tiny_model, token_ids
 
@@ -260,6 +260,14 @@ def test_the_row_block_makes_every_row_what_a_full_batch_gives_it():
             full = head(x)
             assert all(torch.equal(head(x[:rows]), full[:rows]) for rows in range(block, 8, block))
         assert block >= 2 or dtype == torch.float32  # one row of 16-bit weights is never trusted
+
+
+def test_off_the_cpu_every_decoding_forward_has_the_full_row_count():
+    """A GPU's GEMM is chosen by row count, so no probe is trusted there: one shape (MAX_ROWS) for every forward.
+    A model on the meta device stands for an accelerator: the rule must not run a layer to decide."""
+    model = tiny_model(torch.bfloat16).to("meta")
+    assert row_block(model) == MAX_ROWS
+    assert row_block(model, most=4) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

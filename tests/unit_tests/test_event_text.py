@@ -75,6 +75,28 @@ def test_forks_share_the_event_embeddings_and_a_new_prompt_forgets_the_last_ques
     memory.close()
 
 
+def test_an_engine_that_embeds_at_the_first_question_reads_without_embedding_and_answers_the_same():
+    """What an accelerator does (EMEngine.embeds_on_eviction is False there): reading embeds no event, the first
+    question embeds them all at once (a fork embeds them first, for both), and the answer is the eager engine's."""
+    eager, deferred = tiny_engine("E"), tiny_engine("E")
+    deferred.embeds_on_eviction = False
+    answers = []
+    for engine in (eager, deferred):
+        memory = _read(engine, n=400)
+        assert memory.num_events > 5
+        if engine is deferred:
+            assert memory.texts.embeddings.numel() == 0  # nothing embedded while reading
+        fork = memory.fork()
+        assert fork.texts.embeddings.shape == (memory.num_events, 384)  # the parent embedded them before forking
+        assert fork.texts.embeddings is memory.texts.embeddings
+        prompt = fork.token_ids + token_ids(12, seed=9)
+        answers.append((engine.generate(prompt, memory=fork, max_new_tokens=12).token_ids,
+                        [layer.retrieved_ids for layer in fork.layers]))
+        fork.close()
+        memory.close()
+    assert answers[0] == answers[1]
+
+
 def test_a_loaded_memory_rebuilds_the_embeddings_it_did_not_save(tmp_path):
     engine = tiny_engine("E")
     memory = _read(engine)
@@ -433,3 +455,35 @@ def test_answer_text_is_checked_composed_and_saved_as_a_description():
     assert answer_cadence(scorer) == 6 and answer_cadence(ForQuestions(answering=EventText())) == 0
     assert uses_event_text(scorer) and query_free(scorer)
     assert scorer_from_spec(scorer_to_spec(scorer)) == scorer
+
+
+def test_threads_embedding_at_once_never_pass_a_text_whole_past_the_encoder():
+    """Conversations embed their questions from their own threads. The fast tokenizer keeps its truncation in one
+    shared object: unguarded, a thread counting a text's pieces (no truncation) between another's setting and its
+    encoding sent that one's ~550 pieces whole into MiniLM's 512 positions. A race: without encode's lock this test
+    failed 2 of 3 runs (1-2 of its 160 calls), with it none."""
+    import threading
+    import warnings
+
+    from emllm.embeddings import TextEmbedder
+
+    embedder = TextEmbedder("minilm")
+    texts = [" ".join(f"t{i}" for i in range(200)), "a short one"]
+    errors: list[str] = []
+
+    def embed(text: str) -> None:
+        for _ in range(20):
+            try:
+                vector = embedder.embed([text])
+                assert vector.shape == (1, 384)
+            except Exception as error:  # reported below, by thread
+                errors.append(repr(error)[:120])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the long text's own warning, once per call
+        threads = [threading.Thread(target=embed, args=(texts[i % 2],)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert errors == []
