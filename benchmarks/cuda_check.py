@@ -230,23 +230,31 @@ def _episodic_case(device: str, d: int, small: bool, with_bias: bool, gen: torch
 
 
 # ----------------------------------------------------------------------------- 2. syncs
-def sync_audit(device: str) -> dict:
-    """Host syncs per reading chunk and per decoded token, by the engine line (or, outside it, the file) they come
-    from: a sync stops the CPU until the GPU has run everything queued, so the GPU then idles while Python works."""
+def sync_audit(device: str, embedder: str | None = None) -> dict:
+    """Host syncs per reading chunk, per decoded token and per decoding step of two conversations at once
+    (engine.step, as emllm.batching runs it), by the engine line (or, outside it, the file) they come from: a sync
+    stops the CPU until the GPU has run everything queued, so the GPU then idles while Python works. Preset E where
+    an embedder is given (its first answering forward, which embeds the events, is left out), else S."""
     import traceback as tb
 
     from emllm import EMConfig, EMEngine
 
     if not device.startswith("cuda"):
         return {"skipped": "CUDA only"}
+    preset = "E" if embedder else "S"
+    overrides = {"event_embedding": embedder} if embedder else {}
     engine = EMEngine(build(SMOL, torch.bfloat16, device, "eager"), word_tokenizer(SMOL["vocab_size"]),
-                      EMConfig.from_preset("S"))
+                      EMConfig.from_preset(preset, **overrides))
     memory = engine.new_memory()
     ids = torch.randint(0, SMOL["vocab_size"], (4096,), generator=torch.Generator().manual_seed(5))
     for start in range(0, 3072, 512):
         engine.forward(memory, ids[start:start + 512], retrieve=True)
+    memory.begin_answer()
+    memory.ask([9, 10, 11])
+    engine.forward(memory, torch.tensor([6]), retrieve=True, answering=True)  # E embeds its events here
+    other = memory.fork()
     sync(device)
-    sites: dict[str, collections.Counter] = {"read": collections.Counter(), "decode": collections.Counter()}
+    sites: dict[str, collections.Counter] = {phase: collections.Counter() for phase in ("read", "decode", "step")}
     phase = "read"
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -267,15 +275,21 @@ def sync_audit(device: str) -> dict:
             phase = "decode"
             for token in (7, 8):
                 engine.forward(memory, torch.tensor([token]), retrieve=True, answering=True)
+            phase = "step"
+            for token in (7, 8):
+                engine.step([memory, other], [token, token + 1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
         warnings.showwarning = shown
     memory.close()
+    other.close()
     layers = SMOL["num_hidden_layers"]
-    return {"model": "SmolLM2-135M shape, bf16, preset S", "layers": layers,
+    return {"model": f"SmolLM2-135M shape, bf16, preset {preset}", "layers": layers,
             "syncs_per_read_chunk": sum(sites["read"].values()) / 2,
             "syncs_per_decoded_token": sum(sites["decode"].values()) / 2,
-            "read_sites": dict(sites["read"].most_common(12)), "decode_sites": dict(sites["decode"].most_common(12))}
+            "syncs_per_two_row_step": sum(sites["step"].values()) / 2,
+            "read_sites": dict(sites["read"].most_common(12)), "decode_sites": dict(sites["decode"].most_common(12)),
+            "step_sites": dict(sites["step"].most_common(12))}
 
 
 # ----------------------------------------------------------------------------- 3. offload
@@ -365,9 +379,11 @@ def em_speed(model, preset: str, tokens: int, budget: float, device: str, embedd
         engine.forward(memory, torch.tensor([token]), retrieve=True, answering=True)
         sync(device)
         decode.append(time.perf_counter() - t)
+    # The first answering forward ranks by the question's text: on a GPU, E embeds the events that waited there.
     out = {"method": preset, "tokens_asked": tokens, "tokens_read": read, "read_seconds": seconds,
            "read_tokens_per_s": read / seconds, "decode_ms_per_token": 1000 * sorted(decode)[len(decode) // 2],
-           "events": memory.num_events, "gpu_peak_gb": gpu_peak_gb(device)}
+           "first_answer_forward_ms": 1000 * decode[0], "events": memory.num_events,
+           "events_embedded": memory.texts.embeddings.shape[0], "gpu_peak_gb": gpu_peak_gb(device)}
     memory.close()
     return out
 
@@ -414,33 +430,42 @@ def smoke(device: str) -> dict:
     return result
 
 
-def batching_check(device: str, conversations: int = 8, tokens: int = 6144, new: int = 32) -> dict:
-    """Many conversations at once (emllm.batching) on the device: a Llama-3.1-8B-shaped bf16 model, preset S, each
-    conversation its own random text past the window; decoded one at a time, then all in threads at once. The row
-    block the probe found, whether every conversation got the same tokens both ways, and aggregate tokens/s."""
+def batching_check(device: str, embedder: str | None, conversations: int = 8, tokens: int = 32768, new: int = 32,
+                   question: int = 256) -> dict:
+    """Many conversations at once (emllm.batching) on the device: a Llama-3.1-8B-shaped bf16 model, the default preset
+    E (S without an embedder). One document of ``tokens`` tokens is read once; each conversation forks it and asks its
+    own ``question``-token question (so each ranks, retrieves and decodes its own way), then decodes ``new`` tokens:
+    one conversation at a time, then all in threads at once. Whether every conversation got the same tokens both
+    ways, aggregate tokens/s (whole generate calls, the question's read included), rows per forward, and the time of
+    one decoding step of one row against one of every row."""
     import threading
 
     from emllm import EMConfig, EMEngine
 
+    preset = "E" if embedder else "S"
+    overrides = {"event_embedding": embedder} if embedder else {}
     model = build(LLAMA_8B, torch.bfloat16, device, "eager")
-    engine = EMEngine(model, word_tokenizer(LLAMA_8B["vocab_size"]), EMConfig.from_preset("S"))
+    engine = EMEngine(model, word_tokenizer(LLAMA_8B["vocab_size"]), EMConfig.from_preset(preset, **overrides))
     gen = torch.Generator().manual_seed(1)
-    prompts, memories = [], []
-    for _ in range(conversations):
-        ids = torch.randint(3, LLAMA_8B["vocab_size"], (tokens,), generator=gen).tolist()
-        memory = engine.new_memory()
-        engine.read(memory, ids)
-        prompts.append(ids)
-        memories.append(memory)
+    document = torch.randint(3, LLAMA_8B["vocab_size"], (tokens - question,), generator=gen).tolist()
+    base = engine.new_memory()
+    started = time.perf_counter()
+    engine.read(base, document)
     sync(device)
+    read_seconds = time.perf_counter() - started
+    base.embed_events()  # once, so every fork shares the event embeddings (a fork would do it first anyway)
+    prompts = [document + torch.randint(3, LLAMA_8B["vocab_size"], (question,), generator=gen).tolist()
+               for _ in range(conversations)]
     alone, seconds = [], 0.0
-    for ids, memory in zip(prompts, memories):
+    for ids in prompts:
+        fork = base.fork()
         started = time.perf_counter()
-        alone.append(engine.generate(ids, memory=memory.fork(), max_new_tokens=new).token_ids)
+        alone.append(engine.generate(ids, memory=fork, max_new_tokens=new).token_ids)
         sync(device)
         seconds += time.perf_counter() - started
+        fork.close()
     together: list = [None] * conversations
-    forks = [memory.fork() for memory in memories]
+    forks = [base.fork() for _ in prompts]
     engine.batcher.batch_sizes = []
 
     def answer(i: int) -> None:
@@ -455,10 +480,74 @@ def batching_check(device: str, conversations: int = 8, tokens: int = 6144, new:
     sync(device)
     wall = time.perf_counter() - started
     sizes = engine.batcher.batch_sizes
+    step_ms = {}
+    for rows in (1, conversations):  # one step of one row, and of every row, on the forks' answered memories
+        times = []
+        for token in range(5, 10):
+            begun = time.perf_counter()
+            engine.step(forks[:rows], [token] * rows)
+            sync(device)
+            times.append(1000 * (time.perf_counter() - begun))
+        step_ms[rows] = sorted(times)[len(times) // 2]
+    for fork in forks:
+        fork.close()
+    base.close()
     one, all_ = sum(map(len, alone)) / seconds, sum(len(t or []) for t in together) / wall
-    return {"conversations": conversations, "tokens": tokens, "new_tokens": new, "row_block": engine.row_block,
+    return {"preset": preset, "conversations": conversations, "tokens": tokens, "question_tokens": question,
+            "new_tokens": new, "row_block": engine.row_block, "read_seconds": read_seconds,
             "same_tokens": sum(a == b for a, b in zip(alone, together)), "one_at_a_time_tokens_per_s": one,
-            "together_tokens_per_s": all_, "ratio": all_ / one, "mean_rows": sum(sizes) / max(1, len(sizes))}
+            "together_tokens_per_s": all_, "ratio": all_ / one, "mean_rows": sum(sizes) / max(1, len(sizes)),
+            "step_ms_one_row": step_ms[1], f"step_ms_{conversations}_rows": step_ms[conversations],
+            "gpu_peak_gb": gpu_peak_gb(device)}
+
+
+def ragged_decode_check(device: str, rows: int = 8, layers: int = 32) -> dict:
+    """What one launch for every row's decoding attention would give, before wiring it: for ``rows`` conversations
+    with windows of their own lengths (Llama-3.1-8B heads), the per-row calls decoding_attention makes (attend, one
+    flash call a row) against one varlen flash call over the rows' windows packed together (torch.cat, then
+    aten._flash_attention_forward with cumulative lengths and one KV split). Time for ``layers`` layers, the largest
+    difference from the per-row outputs, and whether a row's output is the same alone as among the others."""
+    from emllm import attention
+
+    heads, kv, d = 32, 8, 128
+    result: dict = {"rows": rows, "layers": layers}
+    gen = torch.Generator(device=device).manual_seed(7)
+    lengths = [4096 - 97 * i for i in range(rows)]
+    windows = [torch.randn(2, kv, n, d, generator=gen, device=device).to(torch.bfloat16) for n in lengths]
+    queries = torch.randn(rows, heads, 1, d, generator=gen, device=device).to(torch.bfloat16)
+    scaling = d ** -0.5
+    result["window_lengths"] = lengths
+
+    def per_row(count: int) -> list[torch.Tensor]:
+        return [attention.ungroup_part(attention.attend(attention.group_heads(queries[r:r + 1], kv), w[0][None],
+                                                        w[1][None], scaling, causal=False), heads, 1)[0]
+                for r, w in zip(range(count), windows)]
+
+    def packed(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = torch.cat([w[0].transpose(0, 1) for w in windows[:count]])                 # [total, kv, d]
+        values = torch.cat([w[1].transpose(0, 1) for w in windows[:count]])
+        cumulative = torch.tensor([0, *torch.tensor(lengths[:count]).cumsum(0).tolist()], dtype=torch.int32)
+        q = queries[:count, :, 0]                                                          # [count, heads, d]
+        args = (q, keys, values, torch.arange(count + 1, dtype=torch.int32).to(device, non_blocking=True),
+                cumulative.to(device, non_blocking=True), 1, 4096, 0.0, False, False)
+        if result.get("num_splits", 1) == 1:
+            try:
+                return torch.ops.aten._flash_attention_forward(*args, scale=scaling, num_splits=1)[:2]
+            except (TypeError, RuntimeError) as error:  # an older torch without the argument
+                result["num_splits"] = f"not taken: {error}"[:200]
+        return torch.ops.aten._flash_attention_forward(*args, scale=scaling)[:2]
+
+    reference = per_row(rows)
+    out, lse = packed(rows)
+    result["lse_shape"] = list(lse.shape)
+    result["packed_vs_per_row_max_abs_diff"] = max((out[r] - reference[r][0, :, 0]).abs().max().item()
+                                                   for r in range(rows))
+    alone, _ = packed(1)
+    result["packed_row_alone_equals_in_batch"] = bool(torch.equal(alone[0], out[0]))
+    result["per_row_ms"], _ = _timed(lambda: [per_row(rows) for _ in range(layers)], device)
+    result["packed_ms"], _ = _timed(lambda: [packed(rows) for _ in range(layers)], device)
+    result["per_row_one_row_ms"], _ = _timed(lambda: [per_row(1) for _ in range(layers)], device)
+    return result
 
 
 def default_embedder_files() -> str | None:
@@ -484,6 +573,8 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="a tiny shape, to check the script on a CPU")
     parser.add_argument("--smoke", action="store_true", help="only check that the engine runs here (seconds)")
     parser.add_argument("--batching", action="store_true", help="only the many-conversations check")
+    parser.add_argument("--speed-only", action="store_true", help="only the speed runs (5.), no checks")
+    parser.add_argument("--batch-tokens", type=int, default=32768, help="the document's length in --batching")
     args = parser.parse_args()
     begun = time.perf_counter()
     if args.small:
@@ -497,8 +588,11 @@ def main() -> int:
     report: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                     "transformers": transformers.__version__, "argv": sys.argv[1:], "runs": []}
 
+    files = args.embedder_files or default_embedder_files()
     if args.batching:
-        report["batching"] = batching_check(args.device, tokens=512 if args.small else 6144)
+        embedder = random_minilm(files, tempfile.mkdtemp(prefix="minilm-shape-")) if files else None
+        report["batching"] = batching_check(args.device, embedder, tokens=768 if args.small else args.batch_tokens,
+                                            new=8 if args.small else 32)
         print(json.dumps(report), flush=True)
         with open(args.out, "w") as handle:
             json.dump(report, handle, indent=1)
@@ -513,10 +607,21 @@ def main() -> int:
             json.dump(report, handle, indent=1,
                       default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
 
-    for name, section in (("kernels", lambda: kernel_check(args.device, args.small)),
-                          ("syncs", lambda: sync_audit(args.device)),
-                          ("offload", lambda: offload_check(args.device, args.small)),
-                          ("exactness", lambda: exactness(args.device))):
+    embedder = None
+    if "E" in args.presets:
+        try:
+            embedder = random_minilm(files, tempfile.mkdtemp(prefix="minilm-shape-")) if files else None
+        except Exception:
+            report["embedder_error"] = traceback.format_exc(limit=4)
+        report["embedder"] = "all-MiniLM-L6-v2 shape, random weights" if embedder else "none: E skipped"
+    checks = (("kernels", lambda: kernel_check(args.device, args.small)),
+              ("syncs", lambda: sync_audit(args.device, embedder)),
+              ("ragged_decode", lambda: ragged_decode_check(args.device)),
+              ("offload", lambda: offload_check(args.device, args.small)),
+              ("exactness", lambda: exactness(args.device)))
+    if args.speed_only:
+        checks = ()
+    for name, section in checks:
         try:
             report[name] = section()
         except Exception:
@@ -527,14 +632,6 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
 
-    files = args.embedder_files or default_embedder_files()
-    embedder = None
-    if "E" in args.presets:
-        try:
-            embedder = random_minilm(files, tempfile.mkdtemp(prefix="minilm-shape-")) if files else None
-        except Exception:
-            report["embedder_error"] = traceback.format_exc(limit=4)
-        report["embedder"] = "all-MiniLM-L6-v2 shape, random weights" if embedder else "none: E skipped"
     for attn, methods in (("sdpa", ["sdpa full"]), ("eager", [p for p in args.presets if p != "E" or embedder])):
         model = build(LLAMA_8B, torch.bfloat16, args.device, attn)
         for length in args.lengths:
