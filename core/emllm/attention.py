@@ -261,9 +261,9 @@ def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.T
 def on_device(values: list[int], device: torch.device) -> torch.Tensor:
     """Per-row integers (positions, row numbers) as a tensor on ``device``, queued behind the work before it: a
     blocking copy to a GPU waits until that work has run, and a decoding step makes several per layer, so the GPU
-    would idle while Python queued each layer's next ops. From pageable memory a non-blocking copy is staged at
-    once, so the list may be dropped straight after."""
-    return torch.tensor(values).to(device, non_blocking=True)
+    would idle while Python queued each layer's next ops. CUDA stages a non-blocking copy from pageable memory at
+    once, so the tensor may be dropped straight after; other devices promise no such thing and copy as usual."""
+    return torch.tensor(values).to(device, non_blocking=torch.device(device).type == "cuda")
 
 
 def group_heads(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
