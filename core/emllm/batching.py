@@ -206,9 +206,8 @@ def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
 
     On the CPU, probed once with random inputs of each layer's own shape, dtype and device, in inference mode as
     decoding runs them (the kernel is chosen by shape, not values; one decoder layer stands for all). Measured on this
-    project's
-    CPU: float32 computes rows in blocks of 4 (a batch of 4 or 8 agrees with itself, 5 does not), bfloat16 agrees
-    from 2 rows on. One row in 16-bit weights is never trusted: a single row takes a matrix-vector kernel whose
+    project's CPU: float32 computes rows in blocks of 4 (a batch of 4 or 8 agrees with itself, 5 does not), bfloat16
+    agrees from 2 rows on. One row in 16-bit weights is never trusted: a single row takes a matrix-vector kernel whose
     rounding differs from the matrix kernels' only near a bf16 rounding boundary (1 element in 896 on a real
     activation, none in the probe's random ones), so a probe cannot see it, yet it changed greedy answers."""
     linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]

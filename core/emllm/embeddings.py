@@ -216,7 +216,7 @@ def encode(model: Any, texts: Sequence[str], batch_size: int = 32) -> np.ndarray
 
     One call at a time per model: a fast tokenizer keeps its truncation setting in the one Rust object every call
     shares, so a thread counting pieces (no truncation) between another's setting and its encoding let that one
-    through whole, past the position table (2 of 480 concurrent calls failed so; test_embeddings)."""
+    through whole, past the position table (2 of 480 concurrent calls failed so; test_event_text.py)."""
     with _MODELS_LOCK:
         lock = _ENCODING.setdefault(model, threading.Lock())
     with lock:
