@@ -229,6 +229,15 @@ def _episodic_case(device: str, d: int, small: bool, with_bias: bool, gen: torch
     return row
 
 
+def default_engine(model, vocab: int, embedder: str | None):
+    """An engine on the default preset E, its MiniLM the random-weight stand-in at ``embedder``; preset S where none
+    could be built (E ranks by event text and needs one)."""
+    from emllm import EMConfig, EMEngine
+
+    config = EMConfig.from_preset("E", event_embedding=embedder) if embedder else EMConfig.from_preset("S")
+    return EMEngine(model, word_tokenizer(vocab), config)
+
+
 # ----------------------------------------------------------------------------- 2. syncs
 def sync_audit(device: str, embedder: str | None = None) -> dict:
     """Host syncs per reading chunk, per decoded token and per decoding step of two conversations at once
@@ -237,14 +246,11 @@ def sync_audit(device: str, embedder: str | None = None) -> dict:
     an embedder is given (its first answering forward, which embeds the events, is left out), else S."""
     import traceback as tb
 
-    from emllm import EMConfig, EMEngine
 
     if not device.startswith("cuda"):
         return {"skipped": "CUDA only"}
+    engine = default_engine(build(SMOL, torch.bfloat16, device, "eager"), SMOL["vocab_size"], embedder)
     preset = "E" if embedder else "S"
-    overrides = {"event_embedding": embedder} if embedder else {}
-    engine = EMEngine(build(SMOL, torch.bfloat16, device, "eager"), word_tokenizer(SMOL["vocab_size"]),
-                      EMConfig.from_preset(preset, **overrides))
     memory = engine.new_memory()
     ids = torch.randint(0, SMOL["vocab_size"], (4096,), generator=torch.Generator().manual_seed(5))
     for start in range(0, 3072, 512):
@@ -440,12 +446,9 @@ def batching_check(device: str, embedder: str | None, conversations: int = 8, to
     one decoding step of one row against one of every row."""
     import threading
 
-    from emllm import EMConfig, EMEngine
 
+    engine = default_engine(build(LLAMA_8B, torch.bfloat16, device, "eager"), LLAMA_8B["vocab_size"], embedder)
     preset = "E" if embedder else "S"
-    overrides = {"event_embedding": embedder} if embedder else {}
-    model = build(LLAMA_8B, torch.bfloat16, device, "eager")
-    engine = EMEngine(model, word_tokenizer(LLAMA_8B["vocab_size"]), EMConfig.from_preset(preset, **overrides))
     gen = torch.Generator().manual_seed(1)
     document = torch.randint(3, LLAMA_8B["vocab_size"], (tokens - question,), generator=gen).tolist()
     base = engine.new_memory()
