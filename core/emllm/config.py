@@ -23,7 +23,7 @@ from .scoring import (AnswerText, EventText, ForQuestions, Fused, Representative
 Segmentation = Literal["surprise", "fixed"]
 Refinement = Literal["none", "modularity", "conductance"]
 AttentionMode = Literal["episodic", "full"]
-MemoryPositions = Literal["fixed", "ordered", "ranked"]
+MemoryPositions = Literal["fixed", "ordered"]
 
 DEFAULT_PRESET = "E"
 """The preset EMEngine.from_pretrained(), the adapters, compare and the command line use unless told otherwise: the
@@ -55,8 +55,7 @@ class EMConfig:
     attention: AttentionMode = "episodic"
     """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
     memory_positions: MemoryPositions = "fixed"
-    """Memory keys all at one distance ("fixed", paper/InfLLM), in input order before the window ("ordered"), or before
-    the window by relevance, the best-ranked event and its neighbours nearest the question ("ranked")."""
+    """Memory keys all at one distance ("fixed", paper/InfLLM) or in input order before the window ("ordered")."""
 
     # --- segmentation: where events are cut ---
     segmentation: Segmentation = "surprise"
@@ -174,9 +173,8 @@ class EMConfig:
         needed = self.rope_positions()
         if needed > max_positions:
             layout, fields = "n_init + n_local + 2*max_block_size + chunk_size", f"n_local (now {self.n_local})"
-            if self.memory_positions != "fixed":
-                layout = (f"n_init + n_mem + n_local + 2*max_block_size + chunk_size "
-                          f"(memory_positions={self.memory_positions!r})")
+            if self.memory_positions == "ordered":
+                layout = "n_init + n_mem + n_local + 2*max_block_size + chunk_size (memory_positions='ordered')"
                 fields += f", n_mem (now {self.n_mem})"
             raise ConfigError(
                 f"{layout} = {needed} relative positions, but the model was trained on {max_positions}. Lower "
@@ -189,7 +187,7 @@ class EMConfig:
     def rope_positions(self) -> int:
         """Positions the rotary table must cover: the window's, and under ordered memory positions the memory part
         (sinks + at most n_mem retrieved tokens) laid out before it."""
-        return self.max_position() + (self.n_mem if self.memory_positions != "fixed" else 0)
+        return self.max_position() + (self.n_mem if self.memory_positions == "ordered" else 0)
 
     # ------------------------------------------------------------------ derived values
     @property

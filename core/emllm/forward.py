@@ -19,7 +19,7 @@ from .attention import (attend, attention_given, attention_received, episodic_at
                         ungroup_part)
 from .layer_memory import LayerMemory
 from .memory import EpisodicMemory
-from .retrieval import by_relevance, fill_budget, gather_events
+from .retrieval import fill_budget, gather_events
 from .scoring import Pinned, ScoringStep, query_free, rank_events
 
 
@@ -296,8 +296,7 @@ def retrieve(layer: LayerMemory, memory: EpisodicMemory, queries: torch.Tensor, 
         if fixed is not None:  # a query-free ranking is the same in every layer: the others take this one
             plan.similar[fixed] = similar
     neighbours = layer.contiguity.update(similar, sizes, layer.index.size)
-    chosen = (by_relevance(similar, neighbours) if config.memory_positions == "ranked"
-              else tuple(sorted(set(similar).union(neighbours))))
+    chosen = tuple(sorted(set(similar).union(neighbours)))
     layer.retrievals += 1
     if chosen != layer.retrieved_ids:
         layer.set_retrieved(chosen, *gather_events(memory, layer, chosen)) if chosen else layer.set_retrieved(())

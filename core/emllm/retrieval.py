@@ -180,20 +180,6 @@ class ContiguityBuffer:
         return [e for e in self._queue if e not in chosen]
 
 
-def by_relevance(similar_best_first: list[int], neighbours: list[int]) -> tuple[int, ...]:
-    """The memory part's events in the order memory_positions="ranked" lays them out: groups of a similar event and
-    the neighbours nearest it (in document order within a group), the worst-ranked group first, so the best match
-    sits right before the window, nearest the question, as a reader's recency bias favours (a neighbour equally
-    near two similar events joins the better one's group)."""
-    if not similar_best_first:
-        return tuple(sorted(neighbours))
-    anchors = torch.tensor(similar_best_first)
-    events = sorted(set(similar_best_first).union(neighbours))
-    distance = (torch.tensor(events)[:, None] - anchors[None, :]).abs()  # [events, similar]: columns best first
-    group = distance.argmin(dim=1).tolist()  # the first (best) of the nearest similar events
-    return tuple(event for _, event in sorted(zip((-g for g in group), events)))
-
-
 def gather_events(memory: EpisodicMemory, layer: LayerMemory,
                   event_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored keys and values [kv, n, d] of these events for one layer, events in the order given."""
