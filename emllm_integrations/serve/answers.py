@@ -103,6 +103,7 @@ class _Turn:
             yield stream.result
             return
         with self.sessions.turn(self.space, self.call.session_id) as session:
+            self.sessions.start_from_shared(session, self.prompt.ids)
             stream = session.pool.stream(self.prompt, **self.options)
             yield from stream
             result = stream.result

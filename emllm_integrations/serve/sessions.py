@@ -8,7 +8,7 @@ retry, a regenerated answer) is served from the store too. Sessions past ``max_r
 least recently used first, and come back from the store on their next request, in this process or another.
 
 Requests without a session share one pool keyed by token prefix: an app that resends its whole history each turn
-is served from memory without naming a session.
+is served from memory without naming a session. A new session starts from that pool's longest prefix of its prompt.
 
 The store is a local directory or any fsspec URL (``s3://bucket/prefix`` through s3fs): ``ROOT/NAMESPACE/SESSION``,
 the namespace derived from the API key, so one key's sessions are out of reach of another's. A remote save is made
@@ -327,6 +327,19 @@ class Sessions:
                 retired.append(self._resident.pop(key))
                 ram -= retired[-1].ram_bytes
         return retired
+
+    def start_from_shared(self, session: Session, prompt: list[int]) -> None:
+        """A session that has read nothing (new, and not in the store) starts from the longest prefix of its prompt
+        that the pool of requests without a session holds, as a fork (exact: it reads on as a memory that read every
+        token), instead of reading it again: sixteen users' new sessions over one document read it once. Only a
+        prefix of this request's own tokens is shared, so nothing another user sent reaches it but the time saved.
+        Called with the session's lock held."""
+        if session.pool.num_checkpoints:
+            return
+        with self.anonymous.held(prompt) as shared:
+            start = shared.fork() if shared is not None else None
+        if start is not None:
+            session.pool.keep(start)
 
     def save(self, space: str, session_id: str, session: Session, prompt: list[int]) -> None:
         """Save the session's checkpoint that has read the most of ``prompt`` (the turn's prompt ids; the pool keeps

@@ -245,15 +245,20 @@ def test_refusals_come_in_openais_format_and_the_server_goes_on(server, case):
 
 def test_concurrent_sessions_each_get_their_alone_answer(server):
     """Sixteen sessions from threads at once decode together (emllm.batching); each answer equals the one it gets
-    alone."""
+    alone. Being new, each starts from the document the requests without a session read (the shared pool's longest
+    prefix of its prompt) rather than reading it again."""
     client = server.client()
     prompts = [[{"role": "user", "content": f"{DOCUMENT}\n\nName thing number {i} in the text."}] for i in range(16)]
-    alone = [ask(client, p).choices[0].message.content for p in prompts]
+    alone_replies = [ask(client, p) for p in prompts]
+    alone = [reply.choices[0].message.content for reply in alone_replies]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        together = list(pool.map(lambda item: ask(client, item[1], session=f"c{item[0]}").choices[0].message.content,
-                                 enumerate(prompts)))
+        replies = list(pool.map(lambda item: ask(client, item[1], session=f"c{item[0]}"), enumerate(prompts)))
+    together = [reply.choices[0].message.content for reply in replies]
     assert together == alone
     assert all(text.strip() for text in together)
+    document = min(reply.usage.prompt_tokens_details.cached_tokens for reply in alone_replies[1:])
+    assert document > 1000  # the first request read the document; the others started from it
+    assert all(reply.usage.prompt_tokens_details.cached_tokens >= document for reply in replies)
 
 
 def test_langchain_openai_chat_model_through_the_server(server):

@@ -189,3 +189,33 @@ def test_a_bucket_store_copies_the_pages_its_last_generation_holds_instead_of_up
     store.save(engine, memory, "space/a")
     assert store.uploaded_bytes - before > whole / 2  # whole again
     assert store.load(engine, "space/a", memory.config).token_ids == memory.token_ids
+
+
+def test_a_new_session_starts_from_the_shared_pools_prefix_and_answers_as_if_it_had_read_it_all(engine, tmp_path):
+    """A new session whose prompt begins with what a request without a session read forks that read instead of
+    reading it again, and greedy decoding gives the tokens a session that read everything gives; a session with a
+    memory of its own (here: loaded from the store) keeps it."""
+    sessions = Sessions(engine, engine.config, tmp_path)
+    document, question = token_ids(300, seed=1), token_ids(8, seed=2)
+    sessions.anonymous.generate(document, max_new_tokens=3)  # a request without a session read the document
+
+    def turn(session_id: str, share: bool) -> tuple[int, list[int]]:
+        with sessions.turn("public", session_id) as session:
+            if share:
+                sessions.start_from_shared(session, document + question)
+            result = session.pool.generate(document + question, max_new_tokens=4)
+            sessions.save("public", session_id, session, document + question)
+        return result.new_input_tokens, result.token_ids
+
+    read_shared, shared_tokens = turn("shared", share=True)
+    read_all, own_tokens = turn("alone", share=False)
+    assert read_all == len(document) + len(question) and read_shared < read_all
+    assert shared_tokens == own_tokens
+    sessions.close()
+
+    restarted = Sessions(engine, engine.config, tmp_path)
+    with restarted.turn("public", "alone") as session:
+        held = session.pool.num_checkpoints
+        restarted.start_from_shared(session, document + question)
+        assert held == 1 and session.pool.num_checkpoints == held  # its own memory, from the store, is kept
+    restarted.close()
