@@ -273,16 +273,17 @@ def test_cli_resume_checks_the_dtype_given_with_dtype(tmp_path, capsys):
     assert "dtype: earlier 'float16', now 'float32'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("option, field, value", [("--memory-positions", "memory_positions", "ordered"),
-                                                  ("--retrieval-pooling", "retrieval_pooling", "cumulative")])
+@pytest.mark.parametrize("option, field, value", [("--memory-positions", "memory_positions", "'ordered'"),
+                                                  ("--retrieval-pooling", "retrieval_pooling", "'cumulative'"),
+                                                  ("--contiguity-neighbours", "contiguity_neighbours", "3")])
 def test_cli_resume_checks_the_engine_fields_given(tmp_path, capsys, option, field, value):
     """Engine options reach the settings a resume is checked against (rows of one setting only per folder)."""
     write_report([_row("passkey", "S", 1024, 0.5, True)], tmp_path,
                  bench.settings_record(bench.BenchSettings(("passkey",), (0.5,))))
     args = ["bench", "--tasks", "passkey", "--methods", "S", "--lengths", "1K", "--out", str(tmp_path), "--resume"]
-    assert main(args + [option, value]) == 2
+    assert main(args + [option, value.strip("'")]) == 2
     err = capsys.readouterr().err
-    assert "engine_fields" in err and f"'{field}': '{value}'" in err
+    assert "engine_fields" in err and f"'{field}': {value}" in err
 
 
 def test_cli_will_not_overwrite_earlier_results_without_resume(tmp_path, capsys):
