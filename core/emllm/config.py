@@ -257,8 +257,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # EA: E whose ranking follows the answer (what it has written so far joins the question, every 4 tokens).
     "EA": dict(segmentation="surprise", refinement="none", contiguity=0.3,
                scorer=ForQuestions(answering=Fused((EventText(), AnswerText())))),
-    # EG: E that retrieves only the events whose text ranks within 0.1 of the best (look-alikes of a fact stay out).
-    "EG": dict(segmentation="surprise", refinement="none", contiguity=0.3,
+    # EG: E that retrieves only the events whose text ranks within 0.1 of the best (look-alikes of a fact stay out),
+    # with three neighbours on each side of each (few events retrieved would leave a value cut by surprise in parts).
+    "EG": dict(segmentation="surprise", refinement="none", contiguity=0.3, contiguity_neighbours=3,
                scorer=ForQuestions(answering=EventText(within=0.1))),
 }
 #: Fields of earlier EMConfigs that are now parameters of a scorer (saved memories with them still load).
@@ -306,4 +307,4 @@ def reference_markdown() -> str:
         "many events on) and `EventText(relevance_bias=0.0)` (EpMAN's differentiating attention: answering forwards "
         "lean to the retrieved events whose text the question ranks first; preset ED sets 2.0) and "
         "`EventText(within=None)` (retrieve only the events whose text cosine is within this of the best one's: a "
-        "fact's look-alikes stay out of attention; preset EG sets 0.1).", ""])
+        "fact's look-alikes stay out of attention; preset EG sets 0.1, with `contiguity_neighbours=3`).", ""])

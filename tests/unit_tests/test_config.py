@@ -59,6 +59,7 @@ def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
     assert relevance_bias_of(EMConfig.from_preset("ED").scorer) > 0 == relevance_bias_of(EMConfig.from_preset("E").scorer)
     assert EMConfig.from_preset("EA").scorer == ForQuestions(answering=Fused((EventText(), AnswerText(every=4))))
     assert EMConfig.from_preset("EG").scorer == ForQuestions(answering=EventText(within=0.1))
+    assert EMConfig.from_preset("EG").contiguity_neighbours == 3 > EMConfig.from_preset("E").contiguity_neighbours
     for name in ("E", "ER", "ED", "EA", "EG"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)

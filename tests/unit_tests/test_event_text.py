@@ -148,7 +148,8 @@ def test_a_new_question_s_contiguity_buffer_holds_only_its_own_neighbours():
     for layer, left in zip(fork.layers, read_left):
         queued = {event for event, _ in layer.contiguity.entries()}
         similar = set(layer.retrieved_ids) - queued
-        own = {n for e in similar for n in (e - 1, e + 1)}
+        reach = engine.config.contiguity_neighbours
+        own = {e + step for e in similar for step in range(-reach, reach + 1) if step}
         assert target in similar and queued and queued <= own
         assert left - own  # reading had queued others, which are gone
     fork.close()
@@ -199,7 +200,8 @@ def test_a_question_one_event_answers_retrieves_only_the_events_near_its_best_sc
                     question_start=fork.total_tokens)
         scores = fork.text_scores()
         near = {int(e) for e in torch.nonzero(scores >= scores.max() - 0.1).flatten()}
-        neighbours = {n for e in near for n in (e - 1, e + 1)}
+        reach = engine.config.contiguity_neighbours
+        neighbours = {e + step for e in near for step in range(-reach, reach + 1) if step}
         for layer in fork.layers:
             assert target in layer.retrieved_ids
             assert set(layer.retrieved_ids) <= near | neighbours or preset == "E"
