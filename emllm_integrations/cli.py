@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--memory-positions", dest="memory_positions", choices=get_args(MemoryPositions),
                        help="where retrieved events sit for RoPE (default fixed, as in the paper; see EMConfig)")
         p.add_argument("--contiguity-neighbours", dest="contiguity_neighbours", type=int,
-                       help="events on each side of a retrieved one that come along (default 1; see EMConfig)")
+                       help="events on each side of a retrieved one that come along (default: the preset's; EG: 3)")
 
     p_demo = sub.add_parser("demo", help="EM-LLM and RAG side by side on a long real-prose document")
     common(p_demo)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="EM-LLM: where retrieved events sit for RoPE (default fixed, as in the paper; see "
                               "EMConfig)")
     p_bench.add_argument("--contiguity-neighbours", dest="contiguity_neighbours", type=int,
-                         help="EM-LLM: events on each side of a retrieved one that come along (default 1)")
+                         help="EM-LLM: events on each side of a retrieved one that come along (default: the preset's)")
     p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
                          help="EM-LLM: RAM for evicted KV and the event index; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")
