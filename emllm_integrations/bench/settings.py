@@ -25,7 +25,7 @@ REREAD_METHODS = {"E-text": "E"}
 """Methods that rank and retrieve events as a preset does, then read what that preset attends to (its sinks, the
 retrieved events in document order, the local window) afresh as text under full attention (bench.reread): KV or
 text, which reads the same retrieval better."""
-DEFAULT_METHODS = ("E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
+DEFAULT_METHODS = ("EG", "E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
 DEFAULT_LENGTHS = (8192, 32768, 65536, 131072)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)
 DEFAULT_QUESTIONS = 20

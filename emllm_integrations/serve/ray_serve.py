@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, fields
 from typing import Any
 
+from emllm import DEFAULT_PRESET
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import RayServeException
@@ -182,7 +183,7 @@ class Ingress:
         return create_app(self.backend, self.settings)
 
 
-def application(settings: ServeSettings, model: str | None = None, preset: str = "E",
+def application(settings: ServeSettings, model: str | None = None, preset: str = DEFAULT_PRESET,
                 engine_fields: dict[str, Any] | None = None, replicas: int = 1, max_replicas: int | None = None,
                 replica_cpus: float = 1.0) -> Any:
     """The Ray Serve application: the ingress over ``replicas`` model replicas (autoscaled up to ``max_replicas``

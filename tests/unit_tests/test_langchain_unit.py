@@ -50,7 +50,7 @@ class TestChatEMLLMStandardUnit(ChatModelUnitTests):
 def test_defaults_use_the_embedded_model_and_the_engine_default_preset():
     llm = ChatEMLLM()
     assert llm.model_name is None and llm._display_name() == DEFAULT_MODEL == "qwen2.5-coder-0.5b-instruct"
-    assert llm.em_config() == EMConfig.from_preset(DEFAULT_PRESET) == EMConfig.from_preset("E")
+    assert llm.em_config() == EMConfig.from_preset(DEFAULT_PRESET) == EMConfig.from_preset("EG")
     assert llm.temperature == 0.0 and llm.max_tokens > 0 and llm.stop is None
 
 
