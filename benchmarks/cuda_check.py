@@ -22,7 +22,7 @@ limit keeps what it measured.
 4. Exactness: a SmolLM2-135M-shaped Llama in float32; an input inside the local window leaves nothing to retrieve,
    so the engine's last-token logits must equal the eager model's (max |difference| reported).
 5. Speed: a Llama-3.1-8B-shaped model in bfloat16 at 32K and 128K tokens: plain transformers forwards 512-token chunks
-   over its cache (SDPA); EM-LLM presets S, F and the default E read in their chunks (retrieval per chunk and layer,
+   over its cache (SDPA); EM-LLM presets S, F and E (EG's base) read in their chunks (retrieval per chunk and layer,
    eviction into pages on the device); then 16 tokens are decoded (answering forwards; E ranks by a 16-token
    question). A run stops after ``--budget`` seconds of reading and reports how far it got; runs that would pass
    ``--deadline`` are skipped, so the whole check fits a lease.
@@ -230,7 +230,7 @@ def _episodic_case(device: str, d: int, small: bool, with_bias: bool, gen: torch
 
 
 def default_engine(model, vocab: int, embedder: str | None):
-    """An engine on the default preset E, its MiniLM the random-weight stand-in at ``embedder``; preset S where none
+    """An engine on preset E (EG's base), its MiniLM the random-weight stand-in at ``embedder``; preset S where none
     could be built (E ranks by event text and needs one)."""
     from emllm import EMConfig, EMEngine
 
@@ -438,7 +438,7 @@ def smoke(device: str) -> dict:
 
 def batching_check(device: str, embedder: str | None, conversations: int = 8, tokens: int = 32768, new: int = 32,
                    question: int = 256) -> dict:
-    """Many conversations at once (emllm.batching) on the device: a Llama-3.1-8B-shaped bf16 model, the default preset
+    """Many conversations at once (emllm.batching) on the device: a Llama-3.1-8B-shaped bf16 model, preset
     E (S without an embedder). One document of ``tokens`` tokens is read once; each conversation forks it and asks its
     own ``question``-token question (so each ranks, retrieves and decodes its own way), then decodes ``new`` tokens:
     one conversation at a time, then all in threads at once. Whether every conversation got the same tokens both

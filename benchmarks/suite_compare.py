@@ -22,7 +22,7 @@ RESULTS = pathlib.Path(__file__).parent / "results"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("method", help="the method the goal is about (E, the default)")
+    parser.add_argument("method", help="the method the goal is about (EG, the default)")
     parser.add_argument("other", help="the method it is held against (rag-minilm, full, F, ...)")
     parser.add_argument("--tolerance", type=float, default=0.0, help="points the method may trail by and still meet")
     parser.add_argument("--folders", nargs="*", type=pathlib.Path, default=sorted(RESULTS.glob("suite_*")))
