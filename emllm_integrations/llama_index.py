@@ -560,9 +560,11 @@ class EMLLMQueryEngine(CustomQueryEngine):
                 metadata.update(described)
 
     def _describe(self, result: GenerationResult, question_tokens: int) -> tuple[list[NodeWithScore], dict]:
-        """Sources: the documents the answer's tokens attended to (local window, sinks and retrieved events), each
-        scored by its share of that attention; those under SOURCE_MIN_SHARE are left to the metadata."""
-        shares = attention_shares(self.spans, result.attention)
+        """Sources: the documents the answer's tokens attended to (local window and retrieved events; not the
+        sinks, see attention_shares), each scored by its share of that attention; those under SOURCE_MIN_SHARE are
+        left to the metadata."""
+        config = self._pool.config
+        shares = attention_shares(self.spans, result.attention, config.n_init if config.attention == "episodic" else 0)
         order = sorted(range(len(shares)), key=lambda d: -shares[d])
         sources = [NodeWithScore(node=self.nodes[d], score=shares[d]) for d in order if shares[d] >= SOURCE_MIN_SHARE]
         retrieved = document_shares(self.spans, result.retrieved_events)

@@ -289,8 +289,8 @@ def test_query_engine_answers_from_memory_and_names_sources(town_engine):
     assert meta["new_input_tokens"] == meta["question_tokens"] == question_tokens  # documents were not re-read
     assert meta["prompt_tokens"] == meta["context_tokens"] + question_tokens
     assert meta["retrieved_events"] > 0
-    # Sources: the documents the answer's tokens attended to (local window, sinks, retrieved events), best first,
-    # each with its share of that attention (every document's share is in the metadata; they sum to 1).
+    # Sources: the documents the answer's tokens attended to (local window and retrieved events, not the sinks), best
+    # first, each with its share of that attention (every document's share is in the metadata; they sum to 1).
     scores = [n.score for n in response.source_nodes]
     assert scores == sorted(scores, reverse=True) and all(s >= SOURCE_MIN_SHARE for s in scores)
     assert sum(meta["document_shares"].values()) == pytest.approx(1.0)

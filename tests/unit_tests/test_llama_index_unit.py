@@ -322,3 +322,18 @@ async def test_iterate_in_thread_stops_and_closes_the_iterator_when_abandoned():
     await agen.aclose()
     assert await asyncio.to_thread(closed.wait, 30)
     assert len(produced) < 1000
+
+
+def test_attention_shares_leave_out_the_sinks_that_every_answer_attends():
+    """The sinks (the prompt's first n_init positions, always in attention) draw attention whatever the answer
+    draws on; counted, they credit the first document with every answer."""
+    import torch
+
+    from emllm_integrations.sources import attention_shares
+
+    spans = [(0, 8), (8, 16)]
+    attention = torch.zeros(16)
+    attention[0], attention[9:11] = 10.0, 1.0  # a sink in the first document; the answer's passage in the second
+    assert attention_shares(spans, attention) == pytest.approx([10 / 12, 2 / 12])
+    assert attention_shares(spans, attention, sinks=4) == pytest.approx([0.0, 1.0])
+    assert attention[0] == 10.0  # the caller's tensor is left as it was
