@@ -240,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="weights dtype (default auto: bfloat16 where the CPU or GPU has native bf16, else "
                               "float32); recorded in bench-settings.json as resolved")
     p_bench.add_argument("--tasks", nargs="+", default=list(RULER_TASKS), choices=TASKS,
-                         help="RULER families, fact QA, two_hop, three_hop and the held-out chronicle (default: all of "
-                              "them), or the probes with answer lead-ins")
+                         help="RULER families, fact QA, two_hop, three_hop, the held-out chronicle and handwritten "
+                              "facts (default: all of them), or the probes with answer lead-ins")
     p_bench.add_argument("--questions", type=int, default=DEFAULT_QUESTIONS,
                          help="questions per RULER document, each asked from a fork of one read (default 20)")
     p_bench.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),

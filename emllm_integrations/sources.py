@@ -107,9 +107,7 @@ def attention_shares(spans: Sequence[tuple[int, int]], attention: torch.Tensor |
     retrieved attention)."""
     if attention is None:
         return [0.0] * len(spans)
-    if sinks:
-        attention = attention.clone()
-        attention[:sinks] = 0.0
+    spans = [(max(start, sinks), end) for start, end in spans]  # a span's sinks, if any, are not its attention
     weights = [float(attention[start:end].topk(min(PEAK_TOKENS, end - start)).values.sum()) if end > start else 0.0
                for start, end in spans]
     total = sum(weights)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import tasks
+from .handwritten import handwritten
 from .heldout import chronicle
 from .documents import (MAX_QUESTIONS, TOLERANCE, Question, TaskDocument, check_family_args, fit_length,  # noqa: F401
                         score, too_small)
@@ -879,6 +880,7 @@ FAMILIES: dict[str, Callable[..., TaskDocument]] = {
     "two_hop": two_hop,
     "three_hop": three_hop,
     "chronicle": chronicle,  # built another way and held out from tuning (heldout.py)
+    "handwritten": handwritten,  # facts written by hand, held out likewise (handwritten.py)
 }
 
 

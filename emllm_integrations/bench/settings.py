@@ -13,7 +13,7 @@ from typing import Any
 
 RULER_TASKS = ("niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery",
                "variable_tracking", "common_words", "frequent_words", "fact_qa", "two_hop", "three_hop",
-               "chronicle")
+               "chronicle", "handwritten")
 """The suite (bench.ruler): RULER's families and fact QA in other words, each a document with many questions."""
 PROBE_TASKS = ("passkey", "needle", "kv", "multidoc")
 """Probes with an answer lead-in and a question per depth (bench.tasks), kept for the diagnostic scripts."""
@@ -181,7 +181,7 @@ def check_requirements(tasks: Iterable[str], methods: Iterable[str]) -> None:
     if absent:
         problems.append(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not installed: {EXTRAS}")
     if {"needle", "multidoc", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
-            "fact_qa"} & set(tasks):
+            "fact_qa", "handwritten"} & set(tasks):
         from .tasks import HaystackNotAvailableError, essays_dir
 
         try:

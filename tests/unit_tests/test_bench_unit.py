@@ -79,7 +79,7 @@ def test_report_refuses_empty_or_foreign_rows(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(tasks=["passkey", "haystack"]),
-     "Unknown task 'haystack': choose from niah_single, .*, fact_qa, two_hop, three_hop, chronicle, passkey, needle, kv, multidoc"),
+     "Unknown task 'haystack': choose from niah_single, .*, fact_qa, two_hop, three_hop, chronicle, handwritten, passkey, needle, kv, multidoc"),
     (dict(tasks="passkey"), "Pass a list of tasks"),
     (dict(methods=["S", "rag-bert"]), "Unknown method 'rag-bert'"),
     (dict(methods=[]), "method list is empty"),

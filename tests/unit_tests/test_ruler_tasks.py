@@ -22,10 +22,11 @@ from .test_tasks import count_tokens, essays  # noqa: F401 (shared fixtures: Smo
 LENGTHS = (4096, 8192)
 QUESTIONS = 20
 NAMES = ("niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
-         "common_words", "frequent_words", "fact_qa", "two_hop", "three_hop", "chronicle")
+         "common_words", "frequent_words", "fact_qa", "two_hop", "three_hop", "chronicle",
+         "handwritten")
 NEEDLE_FAMILIES = ("niah_single", "niah_noise", "niah_multikey", "niah_multivalue", "niah_multiquery")
 ESSAY_FAMILIES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "common_words", "fact_qa",
-                  "two_hop", "three_hop")
+                  "two_hop", "three_hop", "handwritten")
 NEEDLE = re.compile(r"special magic (number|word|uuid)s? for ([a-z]+-[a-z]+) is: ([\w-]+)\.")
 STOPWORDS = frozenset("""a an the and or of to in on at by for from with without into onto over under after before
     during about above below through is are was were be been being do does did has have had can could will would
@@ -337,3 +338,25 @@ def test_missing_essays_name_the_install_command_and_noise_families_still_build(
     finally:
         monkeypatch.undo()
         ruler.clear_essay_caches()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_handwritten_facts_each_come_with_a_look_alike_that_never_answers(build, length):
+    """Every asked fact is in the document once with its hand-written look-alike, which holds none of the answers
+    (else a reader answering from the look-alike would be scored right)."""
+    from emllm_integrations.bench.handwritten import FACTS
+
+    doc = build("handwritten", length)
+    written = {w.question: w for w in FACTS}
+    for q in doc.questions:
+        w = written[q.question]
+        assert _occurrences(doc.context, w.fact) == 1 and _occurrences(doc.context, w.look_alike) == 1
+        assert q.evidence == (w.fact,)
+        assert not any(_contains(w.look_alike, answer) for answer in q.answers)
+
+
+def test_handwritten_asks_at_most_the_facts_written():
+    from emllm_integrations.bench.handwritten import FACTS
+
+    with pytest.raises(ValueError, match=rf"questions must be an integer in \[1, {len(FACTS)}\]"):
+        family_document("handwritten", 100_000, _never_called, questions=len(FACTS) + 1)
