@@ -11,7 +11,8 @@ evidence still in the local window is seen anyway and counts as found. The table
 questions whose evidence was all retrieved and, in brackets, the mean share retrieved: retrieval's part of a miss,
 apart from the model's reading. No answers are generated, so a cell of 20 questions takes seconds after the read.
 
-Rankings: "dense" (preset E's EventText: the question's MiniLM embedding against each event's), "contextual" (each
+Rankings: "dense" (preset E's EventText: the question's MiniLM embedding against each event's), "EG" (the
+default: dense, only the events within its margin of the best, three neighbours each), "contextual" (each
 event embedded together with its two neighbours' text: 3x the embedding work), "neighbourhood" (the normalised sum
 of an event's and its neighbours' embeddings: no extra work), "smoothed" (an event's cosine plus its neighbours'),
 "bm25" (bm25s over the events' words, English stop words removed; bm25s is in the dev extra), "fused" (dense and
@@ -19,8 +20,9 @@ bm25 standardised and summed, as scoring.Fused does), "fused_contextual" and "ne
 "hop" (the question embedded again with each of its 3 best events' text; an event keeps its best score: a second
 look that can follow a bridge). For variable tracking, "stepwise_*" asks whether each link is loaded when the answer
 needs it (link k once the answer has listed the chain's first k names, teacher-forced), by the question alone ("dense")
-or by retrieval that follows the answer (following_scores, scoring.AnswerText's ways). Families that record a question's evidence sentences (the multi-hop chains, fact
-QA, chronicle) count those events, every fact of a chain; the others count the events holding the answers."""
+or by retrieval that follows the answer (following_scores, scoring.AnswerText's ways). Families that record a
+question's evidence sentences (the multi-hop chains, fact QA, chronicle, handwritten) count those events, every
+fact of a chain; the others count the events holding the answers."""
 
 from __future__ import annotations
 
@@ -31,13 +33,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from emllm import EMEngine
+from emllm import EMConfig, EMEngine
 from emllm.retrieval import ContiguityBuffer, fill_budget, token_index_of_events
 from emllm.scoring import standardise
 from emllm_integrations.bench.harness import context_ids
 from emllm_integrations.bench.items import task_items
 from emllm_integrations.bench.measure import read_each
-from emllm_integrations.bench.settings import DEFAULT_DEPTHS, BenchSettings
+from emllm_integrations.bench.settings import DEFAULT_DEPTHS, DEFAULT_QUESTIONS, BenchSettings
 from emllm_integrations.cli import parse_length
 from emllm_integrations.markdown import table as markdown_table
 from emllm_integrations.prompts import chat_frame
@@ -100,6 +102,7 @@ def with_neighbours(per_event: torch.Tensor) -> torch.Tensor:
 def selected(scores: torch.Tensor, sizes: torch.Tensor, config) -> set[int]:
     """The events a layer's first answering retrieval loads for these scores."""
     ranked = torch.argsort(scores, descending=True)
+    ranked = ranked[torch.isfinite(scores[ranked])]  # a filter's -inf events are never loaded
     similar = fill_budget(ranked, sizes, config.similarity_tokens).tolist()
     buffer = ContiguityBuffer(config.contiguity_tokens, config.contiguity_neighbours)
     return set(similar) | set(buffer.update(similar, sizes, len(sizes)))
@@ -148,10 +151,12 @@ def _evidence(task: str, length: int, settings: BenchSettings, engine) -> list[t
     return [q.evidence for q in doc.questions]
 
 
-def run(tasks: list[str], length: int, out: Path) -> list[dict]:
+def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUESTIONS) -> list[dict]:
     engine = EMEngine.from_pretrained(preset="E", progress=False)
     config = engine.config
-    settings = BenchSettings(tasks=tuple(tasks), depths=tuple(DEFAULT_DEPTHS))
+    eg = EMConfig.from_preset("EG")  # the default: E's events, its ranking filtered, three neighbours each
+    eg_within = eg.scorer.answering.within
+    settings = BenchSettings(tasks=tuple(tasks), depths=tuple(DEFAULT_DEPTHS), questions=questions)
     rows = []
     for task in tasks:
         item = task_items(task, length, settings, engine.count_tokens)[0]
@@ -191,8 +196,9 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
                         "neighbourhood_fused": standardise(neighbourhood @ q_embedding) + standardise(lexical)}
             row = {"task": task, "depth": depth, "question": question, "answers": answers, "missing": missing,
                    "in_window": sum(1 for events in in_memory if not events)}
+            rankings["EG"] = dense.masked_fill(dense < dense.max() - eg_within, float("-inf"))
             for name, scores in rankings.items():
-                chosen = selected(scores, sizes, config)
+                chosen = selected(scores, sizes, eg if name == "EG" else config)
                 found = [all(e in chosen for e in events) for events in in_memory]
                 row[name] = sum(found) / len(found)
             if task == "variable_tracking":  # the link assigning name k is needed once the answer lists k names
@@ -204,7 +210,7 @@ def run(tasks: list[str], length: int, out: Path) -> list[dict]:
                     row[f"stepwise_{name}"] = sum(found) / len(found)
             rows.append(row)
         memory.close()
-    names = ["dense", "hop", "contextual", "neighbourhood", "smoothed", "bm25", "fused", "fused_contextual",
+    names = ["dense", "EG", "hop", "contextual", "neighbourhood", "smoothed", "bm25", "fused", "fused_contextual",
              "neighbourhood_fused"]
     table = []
     for task in tasks:
@@ -232,12 +238,14 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["fact_qa", "niah_single", "niah_multikey", "niah_multivalue",
                                                        "niah_multiquery", "variable_tracking"])
     parser.add_argument("--length", default="16K")
+    parser.add_argument("--questions", type=int, default=DEFAULT_QUESTIONS,
+                        help="questions per document, as emllm bench's --questions (the same documents)")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS / "event_ranking")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args.tasks, parse_length(args.length), args.out)
+    run(args.tasks, parse_length(args.length), args.out, args.questions)
 
 
 if __name__ == "__main__":
