@@ -11,6 +11,8 @@ restarts (FastAPI + uvicorn; the optional extra ``[serve]``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import sys
 from typing import Any
 
@@ -85,6 +87,8 @@ def serve(args: argparse.Namespace) -> int:
     app = create_app(backend, settings)
     print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
           f"{args.sessions}", file=sys.stderr, flush=True)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack on stderr, for a turn that stalls
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     # SIGTERM: stop accepting, let open requests finish (at most 60 s), then close every session (all saved).
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=60)
     return 0

@@ -76,6 +76,12 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def stacks(self) -> str:
+        """Every server thread's stack (SIGUSR1: faulthandler), then the log's tail: why a turn stalled."""
+        self.process.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        return self.log()[-6000:]
+
     def client(self, key: str = KEYS[0]) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=300, max_retries=0)
 
@@ -454,6 +460,7 @@ def kill_loop(store: Path | str, moments: int, seed: int, env: dict[str, str] | 
                 time.sleep(rng.uniform(0, 0.9 * turn_seconds))
             else:  # just after a turn the client saw complete, so both kinds are met by design, not by chance
                 turn.join(timeout=120)
+                assert "reply" in outcome, f"kill {moment}: the turn before it failed: {outcome!r} {server.stacks()}"
                 time.sleep(rng.uniform(0, 0.5))
             server.kill()
             server.process.wait(timeout=60)
