@@ -155,7 +155,6 @@ def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUEST
     engine = EMEngine.from_pretrained(preset="E", progress=False)
     config = engine.config
     eg = EMConfig.from_preset("EG")  # the default: E's events, its ranking filtered, three neighbours each
-    eg_within = eg.scorer.answering.within
     settings = BenchSettings(tasks=tuple(tasks), depths=tuple(DEFAULT_DEPTHS), questions=questions)
     rows = []
     for task in tasks:
@@ -196,7 +195,7 @@ def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUEST
                         "neighbourhood_fused": standardise(neighbourhood @ q_embedding) + standardise(lexical)}
             row = {"task": task, "depth": depth, "question": question, "answers": answers, "missing": missing,
                    "in_window": sum(1 for events in in_memory if not events)}
-            rankings["EG"] = dense.masked_fill(dense < dense.max() - eg_within, float("-inf"))
+            rankings["EG"] = eg.scorer.answering.keep_within(dense)
             for name, scores in rankings.items():
                 chosen = selected(scores, sizes, eg if name == "EG" else config)
                 found = [all(e in chosen for e in events) for events in in_memory]

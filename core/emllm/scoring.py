@@ -241,6 +241,11 @@ class EventText:
         scores = answering_scores(step, step.plan.text_scores, "EventText ranks events by a question, which only "
                                   "answering forwards have: compose it as ForQuestions(answering=EventText()) so "
                                   "reading uses another scorer.")
+        return self.keep_within(scores)
+
+    def keep_within(self, scores: torch.Tensor) -> torch.Tensor:
+        """``scores`` with every event further than ``within`` below the best set to -inf (never retrieved); all of
+        them where ``within`` is None. Public so that analyses rank exactly as the scorer does."""
         if self.within is None or not scores.numel():
             return scores
         return scores.masked_fill(scores < scores.max() - self.within, float("-inf"))
