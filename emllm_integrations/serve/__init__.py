@@ -20,6 +20,11 @@ __all__ = ["add_parser", "serve"]  # the app itself: emllm_integrations.serve.ap
 
 INSTALL = "pip install 'emllm-integrations[serve]'"
 
+STORE_TIMEOUT_S = 300.0
+"""How long one call to a remote session store (a listing, one file's upload or download, a whole restore's
+download) may take before the turn waiting on it fails: long enough for a 128K-token session's gigabyte of KV over a
+slow link, short enough that a store which stopped answering does not hold a session for ever."""
+
 
 def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:
     """The `serve` subcommand of the `emllm` command line; ``common`` adds the model and engine flags, and
@@ -43,6 +48,10 @@ def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:
     parser.add_argument("--max-messages", type=int, default=1000, help="messages per request (default 1000)")
     parser.add_argument("--max-concurrent", type=int, default=32,
                         help="requests answered at once; more get 429 with Retry-After (default 32)")
+    parser.add_argument("--store-timeout", type=float, default=STORE_TIMEOUT_S,
+                        help="seconds one call to a remote --sessions store (s3://...) may take before the turn "
+                             "waiting on it fails with 503; the session stays as its last completed turn saved it "
+                             f"(default {STORE_TIMEOUT_S:g})")
     scale = parser.add_argument_group("scaling out on Ray Serve (the [ray] extra; sessions follow their replica)")
     scale.add_argument("--ray", action="store_true",
                        help="serve through Ray Serve: replicas of the model, each session routed to the replica "
@@ -82,8 +91,14 @@ def serve(args: argparse.Namespace) -> int:
         return run(args, settings)
     from .loading import prepared_engine
 
+    from .sessions import StoreUnavailable
+
     engine = prepared_engine(args.model, config)
-    backend = InProcess(engine, config, settings)
+    try:
+        backend = InProcess(engine, config, settings)
+    except StoreUnavailable as error:  # the store did not answer its first listing
+        print(f"emllm serve: {error}", file=sys.stderr)
+        return 2
     app = create_app(backend, settings)
     print(f"serving {engine.model_name} (preset {args.preset}) on http://{args.host}:{args.port}/v1, sessions in "
           f"{args.sessions}", file=sys.stderr, flush=True)
@@ -99,12 +114,14 @@ def settings_of(args: argparse.Namespace) -> Any:
     from .app import ServeSettings
 
     if min(args.max_resident_sessions, args.default_max_tokens, args.max_messages, args.max_concurrent) < 1 \
-            or args.max_body_mb <= 0 or (args.max_resident_gb is not None and args.max_resident_gb <= 0):
+            or min(args.max_body_mb, args.store_timeout) <= 0 \
+            or (args.max_resident_gb is not None and args.max_resident_gb <= 0):
         raise ValueError("--max-resident-sessions, --default-max-tokens, --max-messages and --max-concurrent must "
-                         "be >= 1, --max-body-mb and --max-resident-gb > 0.")
+                         "be >= 1, --max-body-mb, --max-resident-gb and --store-timeout > 0.")
     return ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
                          max_resident_sessions=args.max_resident_sessions,
                          max_resident_bytes=None if args.max_resident_gb is None
                          else int(args.max_resident_gb * 2**30),
                          max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
-                         max_messages=args.max_messages, max_concurrent=args.max_concurrent)
+                         max_messages=args.max_messages, max_concurrent=args.max_concurrent,
+                         store_timeout=args.store_timeout)

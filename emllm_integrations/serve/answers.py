@@ -36,7 +36,7 @@ class InProcess:
     def __init__(self, engine: EMEngine, config: EMConfig, settings: ServeSettings):
         self.engine, self.model = engine, engine.model_name
         self.sessions = Sessions(engine, config, settings.sessions, settings.max_resident_sessions,
-                                 settings.max_resident_bytes)
+                                 settings.max_resident_bytes, settings.store_timeout)
         self.metrics = Metrics(self.sessions)
 
     async def answer(self, call: ChatCall, space: str) -> Reply:

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .metrics import Metrics
 from .openai_format import (SESSION_ID, ChatCall, Reply, RequestError, check_chat_request, check_completion_request,
                             error_body, refusal)
-from .sessions import namespace
+from .sessions import STORE_TIMEOUT_S, StoreUnavailable, namespace
 
 log = logging.getLogger("emllm.serve")
 
@@ -40,6 +40,7 @@ class ServeSettings:
     default_max_tokens: int = 512         # when a request gives neither max_tokens nor max_completion_tokens
     max_messages: int = 1000              # more messages in one request get 413
     max_concurrent: int = 32              # requests answered at once; more get 429 with Retry-After
+    store_timeout: float | None = STORE_TIMEOUT_S  # one call to a remote store, seconds; past it the turn gets 503
 
 
 class Backend(Protocol):
@@ -161,6 +162,12 @@ def create_app(backend: Backend, settings: ServeSettings) -> FastAPI:
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError) -> JSONResponse:
         return _error(error)
+
+    @app.exception_handler(StoreUnavailable)
+    async def store_unavailable(request: Request, error: StoreUnavailable) -> JSONResponse:
+        log.error("%s", error)
+        return JSONResponse(error_body(str(error), "server_error", code="session_store_unavailable"),
+                            status_code=503, headers={"Retry-After": "30"})
 
     @app.exception_handler(Exception)
     async def failed(request: Request, error: Exception) -> JSONResponse:

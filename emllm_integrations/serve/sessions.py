@@ -39,8 +39,15 @@ from emllm import EMConfig, EMEngine, MemoryPool
 from emllm.persistence import MANIFEST, MemoryFileError, parse_manifest, read_metadata
 from emllm.sessions import evicted_kv_bytes
 
+from . import STORE_TIMEOUT_S
+
 ANONYMOUS_CONVERSATIONS = 8
 """Conversations the pool of requests without a session keeps resumable."""
+
+class StoreUnavailable(TimeoutError):
+    """A remote session store did not answer within its timeout. The turn waiting on it fails (503) and lets its
+    session go; the store keeps the session as its last completed turn saved it (a save cut here never named its
+    half-uploaded generation current)."""
 
 
 def namespace(api_key: str | None) -> str:
@@ -126,23 +133,42 @@ class RemoteStore:
     a server killed mid-save leaves its folder behind, and the next server to start removes every folder whose
     process is gone, so kills never fill the disk."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, timeout: float | None = STORE_TIMEOUT_S):
         import fsspec
 
+        self.url, self.timeout = url, timeout
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.root = self.root.rstrip("/")
-        self.fs.makedirs(self.root, exist_ok=True)
+        self._call("makedirs", self.root, exist_ok=True)
         self.staging = Path(tempfile.gettempdir()) / "emllm-staging"
         self.staging.mkdir(exist_ok=True)
         self.uploaded_bytes = 0  # what this process's saves put up (files copied within the bucket not counted)
         _remove_orphaned_staging(self.staging)
+
+    def _call(self, operation: str, *args: Any, **kwargs: Any) -> Any:
+        """``self.fs.<operation>(...)``, bounded by the store's timeout where fsspec can bound it: an async filesystem
+        (s3fs, gcsfs, adlfs) runs each call on its event loop, and fsspec's own ``timeout`` cancels it there. s3fs
+        bounds each HTTP attempt (5 s to connect, 15 s to read) but not waiting for a pooled connection, nor its
+        retries together (up to 25 attempts), so without this a store that stops answering holds a turn, and its
+        session, for ever. A synchronous filesystem's calls cannot be cancelled from outside and run unbounded."""
+        method = getattr(self.fs, operation)
+        if self.timeout is None or not _cancellable(method):
+            return method(*args, **kwargs)
+        from fsspec.exceptions import FSTimeoutError
+
+        try:
+            return method(*args, timeout=self.timeout, **kwargs)
+        except FSTimeoutError:
+            raise StoreUnavailable(f"The session store {self.url} did not answer {operation} within "
+                                   f"{self.timeout:g} s (emllm serve --store-timeout); the session is as its last "
+                                   "completed turn left it.") from None
 
     def _stage(self, purpose: str) -> tempfile.TemporaryDirectory:
         return tempfile.TemporaryDirectory(prefix=f"{os.getpid()}-{purpose}-", dir=self.staging)
 
     def _current(self, key: str) -> str | None:
         pointer = f"{self.root}/{key}/current"
-        return self.fs.cat_file(pointer).decode().strip() if self.fs.exists(pointer) else None
+        return self._call("cat_file", pointer).decode().strip() if self._call("exists", pointer) else None
 
     def has(self, key: str) -> bool:
         return self._current(key) is not None
@@ -157,17 +183,17 @@ class RemoteStore:
             generation = self._upload(engine, memory, key, current, earlier)
         except FileNotFoundError:
             generation = self._upload(engine, memory, key, None, None)
-        self.fs.pipe_file(f"{self.root}/{key}/current", generation.encode())
+        self._call("pipe_file", f"{self.root}/{key}/current", generation.encode())
         self.fs.invalidate_cache(f"{self.root}/{key}")
-        for path in self.fs.ls(f"{self.root}/{key}", detail=False):
+        for path in self._call("ls", f"{self.root}/{key}", detail=False):
             if path.rstrip("/").rsplit("/", 1)[-1] not in (generation, "current"):
-                self.fs.rm(path, recursive=True)
+                self._call("rm", path, recursive=True)
 
     def _manifest(self, key: str, generation: str) -> dict[str, Any] | None:
         """A generation's verified manifest, or None where it is gone or unreadable (then the save is whole)."""
         path = f"{self.root}/{key}/{generation}/{MANIFEST}"
         try:
-            return parse_manifest(self.fs.cat_file(path), path)
+            return parse_manifest(self._call("cat_file", path), path)
         except (FileNotFoundError, MemoryFileError):
             return None
 
@@ -182,10 +208,10 @@ class RemoteStore:
             for name in (*listed, MANIFEST):  # the manifest last: a generation is complete once it has one
                 remote = f"{self.root}/{key}/{generation}/{name}"
                 if (staged / name).exists():
-                    self.fs.put_file(str(staged / name), remote)
+                    self._call("put_file", str(staged / name), remote)
                     self.uploaded_bytes += (staged / name).stat().st_size
                 else:
-                    self.fs.copy(f"{self.root}/{key}/{current}/{name}", remote)
+                    self._call("copy", f"{self.root}/{key}/{current}/{name}", remote)
         return generation
 
     def load(self, engine: EMEngine, key: str, config: EMConfig) -> Any:
@@ -193,7 +219,7 @@ class RemoteStore:
         if generation is None:
             raise FileNotFoundError(f"No session {key!r} in {self.root}.")
         with self._stage("load") as staging:  # a loaded memory keeps nothing open here
-            self.fs.get(f"{self.root}/{key}/{generation}", f"{staging}/{generation}", recursive=True)
+            self._call("get", f"{self.root}/{key}/{generation}", f"{staging}/{generation}", recursive=True)
             return engine.load_memory(Path(staging) / generation, config=config)
 
     def summary(self, key: str) -> dict[str, Any]:
@@ -202,20 +228,28 @@ class RemoteStore:
         if generation is None:
             raise FileNotFoundError(f"No session {key!r} in {self.root}.")
         with self._stage("manifest") as staging:
-            self.fs.get(f"{self.root}/{key}/{generation}/{MANIFEST}", f"{staging}/{MANIFEST}")
+            self._call("get", f"{self.root}/{key}/{generation}/{MANIFEST}", f"{staging}/{MANIFEST}")
             return read_metadata(staging)
 
     def remove(self, key: str) -> bool:
-        existed = self.fs.exists(f"{self.root}/{key}")
+        existed = self._call("exists", f"{self.root}/{key}")
         if existed:
-            self.fs.rm(f"{self.root}/{key}", recursive=True)
+            self._call("rm", f"{self.root}/{key}", recursive=True)
         return existed
 
     def count(self) -> int:
-        return len(self.fs.glob(f"{self.root}/*/*/current"))
+        return len(self._call("glob", f"{self.root}/*/*/current"))
 
     def close(self) -> None:
         """Nothing to release: each save and load stages in a temporary folder of its own."""
+
+
+def _cancellable(method: Any) -> bool:
+    """Whether an fsspec method is the blocking face of a coroutine (fsspec.asyn's sync wrapper), which takes a
+    ``timeout`` of its own; an async filesystem's methods written as plain functions do not."""
+    import inspect
+
+    return inspect.iscoroutinefunction(getattr(method, "__wrapped__", None))
 
 
 def _remove_orphaned_staging(staging: Path) -> None:
@@ -236,9 +270,9 @@ def _running(pid: int) -> bool:
     return True
 
 
-def open_store(location: str | Path) -> LocalStore | RemoteStore:
-    """A local directory, or an fsspec URL (anything with "://")."""
-    return RemoteStore(str(location)) if "://" in str(location) else LocalStore(location)
+def open_store(location: str | Path, timeout: float | None = STORE_TIMEOUT_S) -> LocalStore | RemoteStore:
+    """A local directory, or an fsspec URL (anything with "://") whose calls may each take ``timeout`` seconds."""
+    return RemoteStore(str(location), timeout) if "://" in str(location) else LocalStore(location)
 
 
 class Sessions:
@@ -249,10 +283,10 @@ class Sessions:
     (other processes sharing the store are not seen until a restart)."""
 
     def __init__(self, engine: EMEngine, config: EMConfig, store: str | Path, max_resident: int = 64,
-                 max_resident_bytes: int | None = None):
+                 max_resident_bytes: int | None = None, store_timeout: float | None = STORE_TIMEOUT_S):
         self.engine, self.config = engine, config
         self.max_resident, self.max_resident_bytes = max_resident, max_resident_bytes
-        self.store = open_store(store)
+        self.store = open_store(store, store_timeout)
         self.anonymous = MemoryPool(engine, config, max_memories=ANONYMOUS_CONVERSATIONS)
         self._anonymous_kv: dict[str, int] = {}
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()

@@ -53,6 +53,7 @@ def compared(document):
 
 
 @pytest.mark.slow(seconds=350)
+@pytest.mark.timeout(3600)  # 320 s on an AVX512-BF16 EPYC; float32 on an AVX2-only CPU is 2-6x slower than that
 def test_compare_answers_the_facts_with_em_llm_at_least_as_often_as_rag(document, compared):
     em, rag = compared.answers("em-llm"), compared.answers("rag")
     assert _right(document, em) >= AT_LEAST, _report(document, em)

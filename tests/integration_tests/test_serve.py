@@ -426,9 +426,109 @@ def test_a_turn_saved_again_in_an_s3_bucket_uploads_only_what_it_added(s3_endpoi
                for i in range(memory.store.num_tokens // 64))
 
 
+class Relay:
+    """A loopback TCP relay to an endpoint, which can stop answering: it then holds every connection open and passes
+    nothing on, as a store behind a failing network or an overloaded gateway does. Its threads are daemons that
+    stop with ``close``."""
+
+    def __init__(self, target: str):
+        host, port = target.removeprefix("http://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.answering = threading.Event()
+        self.answering.set()
+        self.closed = threading.Event()
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            self.held.append(client)
+            if not self.answering.is_set():
+                continue  # held open, never read: the request waits for an answer that does not come
+            upstream = socket.create_connection(self.target, timeout=30)
+            self.held.append(upstream)
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        source.settimeout(0.5)
+        while not self.closed.is_set():
+            try:
+                data = source.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                with contextlib.suppress(OSError):
+                    sink.shutdown(socket.SHUT_WR)
+                return
+            while not self.answering.is_set() and not self.closed.is_set():
+                time.sleep(0.1)  # a connection open when the store stopped answering hangs where it is
+            with contextlib.suppress(OSError):
+                sink.sendall(data)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.listener.close()
+        for connection in self.held:
+            with contextlib.suppress(OSError):
+                connection.close()
+
+
+def test_a_store_that_stops_answering_fails_the_turn_in_time_and_keeps_the_session(s3_endpoint):
+    """The bucket is reached through a relay that stops answering after the first turn (no error, no reply: what a
+    broken network looks like). The next turn's save cannot finish: with --store-timeout 5 the turn gets 503 in
+    OpenAI's format within a bound, instead of waiting for ever with its session held; the server keeps serving
+    requests that need no store, and once the store answers again the same session goes on and is saved."""
+    relay = Relay(s3_endpoint["AWS_ENDPOINT_URL"])
+    server = Server("s3://emllm-sessions/stalls", "--store-timeout=5",
+                    env={**s3_endpoint, "AWS_ENDPOINT_URL": relay.url})
+    auth = {"Authorization": f"Bearer {KEYS[0]}"}
+    try:
+        client = server.client()
+        history = first_turn()
+        one = ask(client, history, session="patient")
+        history += [{"role": "assistant", "content": one.choices[0].message.content},
+                    {"role": "user", "content": FOLLOW_UPS[0]}]
+        relay.answering.clear()
+        started = time.monotonic()
+        stalled = httpx.post(f"{server.url}/v1/chat/completions", headers={**auth, "X-Session-Id": "patient"},
+                             json={"model": SMOL, "messages": history, "max_tokens": 12, "temperature": 0},
+                             timeout=300)
+        waited = time.monotonic() - started
+        assert stalled.status_code == 503, stalled.text
+        error = stalled.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "session_store_unavailable"
+        assert "did not answer" in error["message"] and "--store-timeout" in error["message"]
+        assert stalled.headers["retry-after"]
+        assert waited < 120, f"the turn waited {waited:.0f} s on a store with a 5 s timeout"
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert ask(client, [{"role": "user", "content": "Say hello."}], max_tokens=3).choices  # no store needed
+        relay.answering.set()
+        again = ask(client, history, session="patient")  # the session was let go: its retry is served and saved
+        assert again.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+        info = httpx.get(f"{server.url}/v1/sessions/patient", headers=auth, timeout=60).json()
+        assert info["tokens"] >= again.usage.prompt_tokens - 1
+    finally:
+        server.stop()
+        relay.close()
+
+
 FOLLOW_UPS = ("And what is the harbour master's cat called?", "Where were the nets mended?",
               "When did the fishing boats come back late?", "Who keeps the western lighthouse?")
 KILL_MOMENTS = int(os.environ.get("EMLLM_KILL_MOMENTS", "0"))  # 0: the CI's count per store, below
+
+
+STALL_SHOWS = ("--store-timeout=60",)
+"""A store call stalled past a minute fails its turn with a 503 naming the call (the loop then fails showing it),
+where it would otherwise wait out the loop's 120 s as an unexplained stall."""
 
 
 def kill_loop(store: Path | str, moments: int, seed: int, env: dict[str, str] | None = None) -> dict[str, int]:
@@ -440,14 +540,14 @@ def kill_loop(store: Path | str, moments: int, seed: int, env: dict[str, str] | 
     rng = random.Random(seed)
     auth = {"Authorization": f"Bearer {KEYS[0]}"}
     history = [{"role": "user", "content": f"{DOCUMENT}\n\n{QUESTION}"}]
-    server = Server(store, env=env)
+    server = Server(store, *STALL_SHOWS, env=env)
     try:
         reply = ask(server.client(), history, session="kept")  # the document, read once
         history += [{"role": "assistant", "content": reply.choices[0].message.content},
                     {"role": "user", "content": FOLLOW_UPS[0]}]
         server.kill()
         server.process.wait(timeout=60)
-        server = Server(store, env=env)
+        server = Server(store, *STALL_SHOWS, env=env)
         started = time.monotonic()
         reply = ask(server.client(), history, session="kept")  # how long a restored follow-up takes, saved
         turn_seconds = time.monotonic() - started
@@ -473,7 +573,7 @@ def kill_loop(store: Path | str, moments: int, seed: int, env: dict[str, str] | 
                             {"role": "user", "content": FOLLOW_UPS[completed % len(FOLLOW_UPS)]}]
             else:
                 cut += 1
-            server = Server(store, env=env)
+            server = Server(store, *STALL_SHOWS, env=env)
             assert not _temporaries(store, env), f"kill {moment}: temporary files left once the server is back"
             info = httpx.get(f"{server.url}/v1/sessions/kept", headers=auth, timeout=60).json()
             assert info["tokens"] >= saved_at_least, f"kill {moment}: a completed turn was lost ({info})"

@@ -219,3 +219,28 @@ def test_a_new_session_starts_from_the_shared_pools_prefix_and_answers_as_if_it_
         restarted.start_from_shared(session, document + question)
         assert held == 1 and session.pool.num_checkpoints == held  # its own memory, from the store, is kept
     restarted.close()
+
+
+def test_a_bucket_that_never_answers_fails_its_call_within_the_store_timeout(monkeypatch):
+    """s3fs against an endpoint on 127.0.0.1 that accepts connections and never replies: each of the store's calls
+    (here its first, making the prefix) is cancelled after the store's timeout and named, instead of waiting through
+    s3fs's and botocore's retries (up to 25 attempts of 15 s) or, for a pooled connection, for ever."""
+    import socket
+    import time
+
+    pytest.importorskip("s3fs", reason="the [s3] extra is not installed")
+    from emllm_integrations.serve.sessions import RemoteStore, StoreUnavailable
+
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as silent:  # connections complete; nothing is read
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(name, value)
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable, match=r"s3://silent/sessions did not answer makedirs within 2 s"):
+            RemoteStore("s3://silent/sessions", timeout=2)
+        assert time.monotonic() - started < 10
+        s3fs.S3FileSystem.clear_instance_cache()
