@@ -5,6 +5,7 @@ prompt to any chat model or runnable. Of the two frameworks it imports only Lang
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -16,7 +17,7 @@ from langchain_core.runnables import Runnable, RunnableLambda, RunnableParallel,
 
 from ..checks import check_order
 from ..prompts import format_context, qa_prompt
-from . import CHUNK_WORDS, TOP_K, RAGBaseline
+from . import RAGBaseline, RAGRecipe, resolve_recipe
 
 
 class RAGRetriever(BaseRetriever):
@@ -28,9 +29,16 @@ class RAGRetriever(BaseRetriever):
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], metadatas: Sequence[Mapping[str, Any]] | None = None, *,
-                   embedding: Any = "minilm", chunk_words: int = CHUNK_WORDS, top_k: int = TOP_K,
-                   **kwargs: Any) -> RAGRetriever:
-        baseline = RAGBaseline(embedding, chunk_words, top_k, **kwargs)
+                   embedding: Any = "minilm", recipe: str | RAGRecipe = "paper", chunk_words: int | None = None,
+                   top_k: int | None = None, **kwargs: Any) -> RAGRetriever:
+        """A retriever over ``texts`` built to ``recipe``: "paper" (300-word chunks, top 5, dense) or "tuned" (what
+        a practitioner builds: 128-word chunks, dense + BM25 rank-fused, as many as fill 4,096 LLM tokens; counting
+        them loads the LLM's tokenizer with the shared engine), or a RAGRecipe; ``chunk_words`` and ``top_k``
+        override it, as in compare(). Other keyword arguments as for RAGBaseline."""
+        recipe = resolve_recipe(recipe)
+        baseline = RAGBaseline.from_recipe(
+            replace(recipe, chunk_words=recipe.chunk_words if chunk_words is None else chunk_words,
+                    top_k=recipe.top_k if top_k is None else top_k), embedding, **kwargs)
         baseline.add_documents(texts, metadatas)
         return cls(baseline=baseline)
 

@@ -536,6 +536,23 @@ def test_the_context_budget_is_filled_best_first_in_llm_tokens():
     assert "Tobias" in chunks[0].text or "Tobias" in chunks[1].text
 
 
+def test_a_langchain_retriever_is_built_to_a_recipe_with_overrides_as_compare_takes_them():
+    """RAGRetriever.from_texts(texts, recipe="tuned") is the tuned RAG (hybrid ranking, chunks within the token
+    budget, counted by the LLM's tokenizer); chunk_words and top_k override a recipe as they do in compare()."""
+    tokenizer = rag.load_embedding_model("minilm").tokenizer
+    engine = EMEngine(tiny_model(), tokenizer, EMConfig.from_preset("S", **TINY))
+    tuned = rag_langchain.RAGRetriever.from_texts(DOCS, recipe="tuned", engine=engine)
+    assert tuned.baseline.recipe == rag.RECIPES["tuned"]
+    docs = tuned.invoke(QUESTION)
+    assert any(holds_fact(d.page_content) for d in docs)
+    assert sum(engine.count_tokens(d.page_content) for d in docs) <= rag.RECIPES["tuned"].context_tokens
+    small = rag_langchain.RAGRetriever.from_texts(DOCS, recipe="tuned", chunk_words=50, top_k=3, engine=engine)
+    assert small.baseline.recipe == rag.RAGRecipe(50, 3, "hybrid", 4096) and len(small.invoke(QUESTION)) <= 3
+    assert rag_langchain.RAGRetriever.from_texts(DOCS).baseline.recipe == rag.RECIPES["paper"]
+    with pytest.raises(ValueError, match="Unknown RAG recipe"):
+        rag_langchain.RAGRetriever.from_texts(DOCS, recipe="best")
+
+
 def test_recipes_by_name_and_bad_settings():
     assert rag.resolve_recipe("paper") == rag.RAGRecipe(300, 5, "dense", None)
     tuned = rag.RAGBaseline.from_recipe("tuned")
