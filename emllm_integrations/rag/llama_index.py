@@ -1,6 +1,9 @@
 """The RAG baseline in LlamaIndex: the same embedding, 300-word chunking, faiss index, context order and QA
 template as ``RAGBaseline``, as stock LlamaIndex pieces (an embedding, a node parser, a ``VectorStoreIndex`` over
-a ``FaissVectorStore``, a node postprocessor and a ``RetrieverQueryEngine``). Of the two frameworks it imports only
+a ``FaissVectorStore``, a node postprocessor and a ``RetrieverQueryEngine``). The tuned recipe (hybrid ranking, a
+token budget) retrieves through ``RAGBaseline`` itself (``BaselineRetriever``): LlamaIndex has no stock retriever
+that fills a prompt to a token budget, and its BM25 retriever is another package with another tokenizer, so the
+recipe would no longer be the one compare() and `emllm bench` measure. Of the two frameworks it imports only
 LlamaIndex; see ``emllm_integrations.rag``."""
 
 from __future__ import annotations
@@ -12,20 +15,21 @@ import faiss
 from llama_index.core import Document as LlamaDocument
 from llama_index.core import StorageContext, VectorStoreIndex
 from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.node_parser.interface import TextSplitter
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import ResponseMode
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.schema import NodeRelationship, NodeWithScore, QueryBundle, RelatedNodeInfo, TextNode
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 from emllm.embeddings import encode, load_embedding_model
 
 from ..checks import check_order, check_positive
 from ..prompts import QA_SUFFIX
-from . import CHUNK_WORDS, TOP_K, split_words
+from . import CHUNK_WORDS, RAGBaseline, RAGRecipe, resolve_recipe, split_words
 
 
 class SentenceTransformerEmbedding(BaseEmbedding):
@@ -140,27 +144,70 @@ def qa_template() -> PromptTemplate:
     return PromptTemplate("{context_str}" + QA_SUFFIX.replace("{question}", "{query_str}"))
 
 
+class BaselineRetriever(BaseRetriever):
+    """A RAGBaseline as a LlamaIndex retriever: exactly what compare() and `emllm bench` retrieve for its recipe, as
+    nodes best first. A node holds its chunk's text; its metadata (its document's, plus ``doc_id`` and ``chunk_id``)
+    stays out of the LLM's prompt, and its source is its document (``ref_doc_id``: the ``doc_id``), so
+    DocumentOrder puts nodes in document order."""
+
+    def __init__(self, baseline: RAGBaseline, top_k: int | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.baseline, self.top_k = baseline, top_k
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = []
+        for chunk in self.baseline.retrieve(query_bundle.query_str, self.top_k):
+            metadata = {**chunk.metadata, "doc_id": chunk.doc_id, "chunk_id": chunk.chunk_id}
+            node = TextNode(text=chunk.text, id_=f"chunk-{chunk.doc_id}-{chunk.chunk_id}", metadata=metadata,
+                            excluded_llm_metadata_keys=list(metadata), excluded_embed_metadata_keys=list(metadata),
+                            start_char_idx=chunk.start_char, end_char_idx=chunk.end_char,
+                            relationships={NodeRelationship.SOURCE: RelatedNodeInfo(node_id=str(chunk.doc_id))})
+            nodes.append(NodeWithScore(node=node, score=chunk.score))
+        return nodes
+
+
 def rag_query_engine(documents: Sequence[Any] | VectorStoreIndex, llm: Any, *, embedding: Any = "minilm",
-                     chunk_words: int = CHUNK_WORDS, top_k: int = TOP_K, response_mode: str = "compact",
-                     context_order: str = "document") -> RetrieverQueryEngine:
-    """A stock RetrieverQueryEngine: top-k word chunks from a faiss-backed index, optionally put in document
-    order, answered with the shared QA template. ``compact`` packs the chunks joined by blank lines into one
-    prompt when the LLM's context window holds them (so the prompt equals prompts.qa_prompt)."""
+                     recipe: str | RAGRecipe = "paper", chunk_words: int | None = None, top_k: int | None = None,
+                     response_mode: str = "compact", context_order: str = "document",
+                     llm_model: str | None = None) -> RetrieverQueryEngine:
+    """A RetrieverQueryEngine answering with the shared QA template over chunks retrieved to ``recipe`` ("paper":
+    300-word chunks, top 5, dense; "tuned": 128-word chunks, dense + BM25 rank-fused, as many as fill 4,096 tokens
+    of ``llm_model``'s tokenizer; or a RAGRecipe; ``chunk_words`` and ``top_k`` override it, as in compare()),
+    optionally put in document order. A dense recipe without a budget is stock LlamaIndex (a faiss-backed
+    VectorStoreIndex, which may also be passed instead of documents); the others retrieve through RAGBaseline
+    (BaselineRetriever). ``compact`` packs the chunks joined by blank lines into one prompt when the LLM's context
+    window holds them (so the prompt equals prompts.qa_prompt)."""
+    recipe = resolve_recipe(recipe)
+    chunk_words = recipe.chunk_words if chunk_words is None else chunk_words
+    top_k = recipe.top_k if top_k is None else top_k
+    check_positive("chunk_words", chunk_words)
     check_positive("top_k", top_k)
     check_order(context_order)
     if response_mode not in ("compact", "simple_summarize"):
         raise ValueError(f"response_mode must be 'compact' or 'simple_summarize', got {response_mode!r}. (LlamaIndex's "
                          "simple_summarize joins chunks with one newline, compact with a blank line as ours does.)")
+    stock = recipe.retrieval == "dense" and recipe.context_tokens is None
+    retriever: BaseRetriever
     if isinstance(documents, VectorStoreIndex):
-        index, docs = documents, None
+        if not stock:
+            raise ValueError(f"A {recipe.retrieval} recipe with a token budget indexes the documents itself: pass "
+                             "the documents, not a VectorStoreIndex.")
+        index = documents
+        ranks = {ref: i for i, ref in enumerate(index.ref_doc_info)}
+        retriever = index.as_retriever(similarity_top_k=top_k)
     else:
         docs = to_llama_documents(documents)
-        index = rag_index(docs, embedding=embedding, chunk_words=chunk_words)
-    postprocessors: list[BaseNodePostprocessor] = []
-    if context_order == "document":
-        ranks = {d.doc_id: i for i, d in enumerate(docs)} if docs is not None else \
-            {ref: i for i, ref in enumerate(index.ref_doc_info)}
-        postprocessors.append(DocumentOrder(doc_rank=ranks))
-    return RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=top_k), llm=llm,
-                                          node_postprocessors=postprocessors, response_mode=ResponseMode(response_mode),
-                                          text_qa_template=qa_template())
+        if stock:
+            ranks = {d.doc_id: i for i, d in enumerate(docs)}
+            retriever = rag_index(docs, embedding=embedding, chunk_words=chunk_words).as_retriever(
+                similarity_top_k=top_k)
+        else:
+            baseline = RAGBaseline(embedding, chunk_words, top_k, llm_model, retrieval=recipe.retrieval,
+                                   context_tokens=recipe.context_tokens)
+            baseline.add_documents([d.text for d in docs], [dict(d.metadata) for d in docs])
+            ranks = {str(i): i for i in range(len(docs))}
+            retriever = BaselineRetriever(baseline)
+    postprocessors: list[BaseNodePostprocessor] = [DocumentOrder(doc_rank=ranks)] if context_order == "document" \
+        else []
+    return RetrieverQueryEngine.from_args(retriever, llm=llm, node_postprocessors=postprocessors,
+                                          response_mode=ResponseMode(response_mode), text_qa_template=qa_template())

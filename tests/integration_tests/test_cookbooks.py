@@ -102,12 +102,12 @@ def test_llamaindex_cookbook_answers_with_sources_from_both_engines(monkeypatch)
     tables = [t for t in outputs(notebook, "text/markdown") if "| question about | method |" in t]
     assert len(tables) == 1
     questions, results = values["questions"], values["results"]
-    assert len(results) == 2 * len(questions) == 6
+    assert len(results) == 3 * len(questions) == 9  # the paper's RAG, the tuned RAG, EM-LLM
     for r in results:
         q = next(q for q in questions if q["question"] == r["question"])
         assert r["found"] == (q["answer"] in r["answer"])
         assert r["sources"] and r["seconds"] > 0
-    rag = [r for r in results if r["method"] == "RAG"]
+    rag = [r for r in results if r["method"] in ("RAG", "RAG tuned")]
     # The embedding finds the document that names the organisation asked about, for every question.
     assert all(r["answer_doc_in_sources"] for r in rag), rag
 

@@ -446,6 +446,24 @@ def test_llama_index_query_engine_from_strings_and_bad_input():
         rag_llama_index.rag_query_engine(DOCS, PromptEcho(), response_mode="tree_summarize")
 
 
+def test_llama_index_query_engine_to_a_hybrid_recipe_reads_what_the_baseline_retrieves(llama_index_):
+    """A recipe stock LlamaIndex cannot build (hybrid ranking, a token budget) retrieves through RAGBaseline: the
+    prompt holds the chunks compare() and the bench would give the LLM, in document order, in the shared template."""
+    hybrid = rag.RAGRecipe(chunk_words=50, top_k=4, retrieval="hybrid")
+    response = rag_llama_index.rag_query_engine(DOCS, PromptEcho(), recipe=hybrid).query(QUESTION)
+    baseline = rag.RAGBaseline.from_recipe(hybrid)
+    baseline.add_documents(DOCS)
+    ours = baseline.order(baseline.retrieve(QUESTION))
+    assert [n.node.get_content() for n in response.source_nodes] == [c.text for c in ours] and len(ours) == 4
+    assert response.response == qa_prompt(format_context([c.text for c in ours]), QUESTION)
+    assert any(holds_fact(c.text) for c in ours)
+    assert [n.node.metadata["chunk_id"] for n in response.source_nodes] == [c.chunk_id for c in ours]
+    with pytest.raises(ValueError, match="indexes the documents itself"):
+        rag_llama_index.rag_query_engine(llama_index_, PromptEcho(), recipe="tuned")
+    with pytest.raises(ValueError, match="Unknown RAG recipe"):
+        rag_llama_index.rag_query_engine(DOCS, PromptEcho(), recipe="best")
+
+
 # ---------------------------------------------------------------------- the comparison's bookkeeping
 def test_event_spans_map_token_positions_back_to_documents():
     """With a real fast tokenizer (MiniLM's; the mapping only needs offsets): events inside one document, across
