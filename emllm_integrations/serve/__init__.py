@@ -16,14 +16,11 @@ import signal
 import sys
 from typing import Any
 
+from .defaults import STORE_TIMEOUT_S
+
 __all__ = ["add_parser", "serve"]  # the app itself: emllm_integrations.serve.app (needs the [serve] extra)
 
 INSTALL = "pip install 'emllm-integrations[serve]'"
-
-STORE_TIMEOUT_S = 300.0
-"""How long one call to a remote session store (a listing, one file's upload or download, a whole restore's
-download) may take before the turn waiting on it fails: long enough for a 128K-token session's gigabyte of KV over a
-slow link, short enough that a store which stopped answering does not hold a session for ever."""
 
 
 def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:

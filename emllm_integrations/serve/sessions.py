@@ -39,7 +39,7 @@ from emllm import EMConfig, EMEngine, MemoryPool
 from emllm.persistence import MANIFEST, MemoryFileError, parse_manifest, read_metadata
 from emllm.sessions import evicted_kv_bytes
 
-from . import STORE_TIMEOUT_S
+from .defaults import STORE_TIMEOUT_S
 
 ANONYMOUS_CONVERSATIONS = 8
 """Conversations the pool of requests without a session keeps resumable."""
