@@ -127,9 +127,8 @@ def compare(documents: Sequence[str], questions: Sequence[str], *, preset: str =
     documents = check_documents(documents)
     questions = _check_questions(questions)
     check_positive("max_new_tokens", max_new_tokens)
-    recipe = resolve_recipe(rag)
-    top_k = recipe.top_k if top_k is None else top_k
-    chunk_words = recipe.chunk_words if chunk_words is None else chunk_words
+    recipe = resolve_recipe(rag, chunk_words=chunk_words, top_k=top_k)
+    top_k, chunk_words = recipe.top_k, recipe.chunk_words
     check_positive("top_k", top_k)
     check_positive("chunk_words", chunk_words)
     check_order(context_order)

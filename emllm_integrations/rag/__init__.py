@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import faiss
@@ -280,13 +280,17 @@ class RAGBaseline:
                          decode_seconds=result.decode_seconds)
 
 
-def resolve_recipe(recipe: str | RAGRecipe) -> RAGRecipe:
-    """A recipe by name (RECIPES) or as given, refused naming the choices."""
-    if isinstance(recipe, RAGRecipe):
-        return recipe
-    if recipe not in RECIPES:
-        raise ValueError(f"Unknown RAG recipe {recipe!r}: choose one of {', '.join(RECIPES)}, or pass a RAGRecipe.")
-    return RECIPES[recipe]
+def resolve_recipe(recipe: str | RAGRecipe, *, chunk_words: int | None = None,
+                   top_k: int | None = None) -> RAGRecipe:
+    """A recipe by name (RECIPES) or as given, refused naming the choices; ``chunk_words`` and ``top_k``, when
+    given, override it (how compare(), the LangChain retriever and the LlamaIndex query engine take them)."""
+    if not isinstance(recipe, RAGRecipe):
+        if recipe not in RECIPES:
+            raise ValueError(f"Unknown RAG recipe {recipe!r}: choose one of {', '.join(RECIPES)}, or pass a "
+                             "RAGRecipe.")
+        recipe = RECIPES[recipe]
+    return replace(recipe, chunk_words=recipe.chunk_words if chunk_words is None else chunk_words,
+                   top_k=recipe.top_k if top_k is None else top_k)
 
 
 def _with_score(chunk: Chunk, score: float) -> Chunk:

@@ -5,7 +5,6 @@ prompt to any chat model or runnable. Of the two frameworks it imports only Lang
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -35,10 +34,8 @@ class RAGRetriever(BaseRetriever):
         a practitioner builds: 128-word chunks, dense + BM25 rank-fused, as many as fill 4,096 LLM tokens; counting
         them loads the LLM's tokenizer with the shared engine), or a RAGRecipe; ``chunk_words`` and ``top_k``
         override it, as in compare(). Other keyword arguments as for RAGBaseline."""
-        recipe = resolve_recipe(recipe)
-        baseline = RAGBaseline.from_recipe(
-            replace(recipe, chunk_words=recipe.chunk_words if chunk_words is None else chunk_words,
-                    top_k=recipe.top_k if top_k is None else top_k), embedding, **kwargs)
+        baseline = RAGBaseline.from_recipe(resolve_recipe(recipe, chunk_words=chunk_words, top_k=top_k), embedding,
+                                           **kwargs)
         baseline.add_documents(texts, metadatas)
         return cls(baseline=baseline)
 

@@ -177,11 +177,9 @@ def rag_query_engine(documents: Sequence[Any] | VectorStoreIndex, llm: Any, *, e
     VectorStoreIndex, which may also be passed instead of documents); the others retrieve through RAGBaseline
     (BaselineRetriever). ``compact`` packs the chunks joined by blank lines into one prompt when the LLM's context
     window holds them (so the prompt equals prompts.qa_prompt)."""
-    recipe = resolve_recipe(recipe)
-    chunk_words = recipe.chunk_words if chunk_words is None else chunk_words
-    top_k = recipe.top_k if top_k is None else top_k
-    check_positive("chunk_words", chunk_words)
-    check_positive("top_k", top_k)
+    recipe = resolve_recipe(recipe, chunk_words=chunk_words, top_k=top_k)
+    check_positive("chunk_words", recipe.chunk_words)
+    check_positive("top_k", recipe.top_k)
     check_order(context_order)
     if response_mode not in ("compact", "simple_summarize"):
         raise ValueError(f"response_mode must be 'compact' or 'simple_summarize', got {response_mode!r}. (LlamaIndex's "
@@ -194,16 +192,15 @@ def rag_query_engine(documents: Sequence[Any] | VectorStoreIndex, llm: Any, *, e
                              "the documents, not a VectorStoreIndex.")
         index = documents
         ranks = {ref: i for i, ref in enumerate(index.ref_doc_info)}
-        retriever = index.as_retriever(similarity_top_k=top_k)
+        retriever = index.as_retriever(similarity_top_k=recipe.top_k)
     else:
         docs = to_llama_documents(documents)
         if stock:
             ranks = {d.doc_id: i for i, d in enumerate(docs)}
-            retriever = rag_index(docs, embedding=embedding, chunk_words=chunk_words).as_retriever(
-                similarity_top_k=top_k)
+            retriever = rag_index(docs, embedding=embedding, chunk_words=recipe.chunk_words).as_retriever(
+                similarity_top_k=recipe.top_k)
         else:
-            baseline = RAGBaseline(embedding, chunk_words, top_k, llm_model, retrieval=recipe.retrieval,
-                                   context_tokens=recipe.context_tokens)
+            baseline = RAGBaseline.from_recipe(recipe, embedding, llm_model=llm_model)
             baseline.add_documents([d.text for d in docs], [dict(d.metadata) for d in docs])
             ranks = {str(i): i for i in range(len(docs))}
             retriever = BaselineRetriever(baseline)

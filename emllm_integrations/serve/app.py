@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .metrics import Metrics
 from .openai_format import (SESSION_ID, ChatCall, Reply, RequestError, check_chat_request, check_completion_request,
                             error_body, refusal)
-from .sessions import STORE_TIMEOUT_S, StoreUnavailable, namespace
+from .defaults import STORE_TIMEOUT_S
+from .sessions import StoreUnavailable, namespace
 
 log = logging.getLogger("emllm.serve")
 

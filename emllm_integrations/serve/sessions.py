@@ -21,6 +21,7 @@ locally the earlier KV files are hard-linked, in a bucket copied from the curren
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ from .defaults import STORE_TIMEOUT_S
 
 ANONYMOUS_CONVERSATIONS = 8
 """Conversations the pool of requests without a session keeps resumable."""
+
 
 class StoreUnavailable(TimeoutError):
     """A remote session store did not answer within its timeout. The turn waiting on it fails (503) and lets its
@@ -247,8 +249,6 @@ class RemoteStore:
 def _cancellable(method: Any) -> bool:
     """Whether an fsspec method is the blocking face of a coroutine (fsspec.asyn's sync wrapper), which takes a
     ``timeout`` of its own; an async filesystem's methods written as plain functions do not."""
-    import inspect
-
     return inspect.iscoroutinefunction(getattr(method, "__wrapped__", None))
 
 
