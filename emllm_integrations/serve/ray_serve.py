@@ -25,13 +25,13 @@ import asyncio
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import asdict, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from emllm import DEFAULT_PRESET
 from ray import serve
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.concurrency import run_in_threadpool
@@ -40,7 +40,9 @@ from .answers import InProcess
 from .app import ServeSettings, create_app
 from .metrics import Metrics
 from .openai_format import ChatCall, Reply, RequestError, error_event, refusal
-from .sessions import Sessions
+from .sessions import Sessions, StoreUnavailable
+
+T = TypeVar("T")
 
 REPLICA_HEADER = "X-Replica-Id"
 ATTEMPTS = 3
@@ -137,7 +139,7 @@ class ToReplicas:
         for attempt in range(ATTEMPTS):
             stream = self._to(space, call.session_id).options(stream=True).respond.remote(call, space)
             try:
-                head = await stream.__anext__()
+                head = await _from_replica(stream.__anext__())
                 break
             except RayActorError:  # the replica died before the turn began: another one answers from the store
                 if attempt == ATTEMPTS - 1:
@@ -151,16 +153,27 @@ class ToReplicas:
         return Reply(events=_events(stream), headers=headers)
 
     async def describe(self, space: str, session_id: str) -> dict[str, Any] | None:
-        return await self._to(space, session_id).describe.remote(space, session_id)
+        return await _from_replica(self._to(space, session_id).describe.remote(space, session_id))
 
     async def forget(self, space: str, session_id: str) -> bool:
-        return await self._to(space, session_id).forget.remote(space, session_id)
+        return await _from_replica(self._to(space, session_id).forget.remote(space, session_id))
 
     def health(self) -> dict[str, Any]:
         return {"deployment": "ray-serve"}
 
     def close(self) -> None:
         """The replicas close with their deployment."""
+
+
+async def _from_replica(result: Awaitable[T]) -> T:
+    """A replica's answer. A store that timed out there is raised here as itself, so the app answers 503 with the
+    replica's message (naming the store, the call and --store-timeout) rather than 500 with Ray's wrapper of it."""
+    try:
+        return await result
+    except RayTaskError as error:
+        if isinstance(error.cause, StoreUnavailable):
+            raise error.cause from None
+        raise
 
 
 async def _events(stream: DeploymentResponseGenerator) -> AsyncIterator[str]:

@@ -3,13 +3,15 @@ replicas of SmolLM2 holding sessions through Ray Serve's multiplexing, their sto
 server (moto) reached through s3fs, and the official openai client over real HTTP to Serve's proxy.
 
 Every response names its replica (X-Replica-Id): a returning session must land on the replica that holds it; a
-replica killed with ray.kill must lose no completed turn.
+replica killed with ray.kill must lose no completed turn. The replicas reach the bucket through a loopback relay that
+the store-failure test stops, so a replica's store timeout must reach the client as the 503 `emllm serve` gives.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from .conftest import SMOL
-from .test_serve import DOCUMENT, LAYOUT, QUESTION, free_port, loopback_s3
+from .test_serve import DOCUMENT, LAYOUT, QUESTION, Relay, free_port, loopback_s3
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
@@ -30,27 +32,41 @@ from emllm_integrations.serve.ray_serve import REPLICA_HEADER, application  # no
 
 SESSIONS = 16
 FOLLOW_UP = "And what is the harbour master's cat called?"
+STORE_TIMEOUT_S = 30.0
+"""The replicas' --store-timeout: past one store call under the module's heaviest load, short enough to wait out."""
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[str]:
+def s3_relay() -> Iterator[tuple[dict[str, str], Relay]]:
+    """The S3 server, and the relay in front of it through which the replicas reach the bucket."""
+    with loopback_s3() as env:
+        relay = Relay(env["AWS_ENDPOINT_URL"])
+        try:
+            yield {**env, "AWS_ENDPOINT_URL": relay.url}, relay
+        finally:
+            relay.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_relay) -> Iterator[str]:
     """The application on a local cluster (2 model replicas, 1 logical CPU each), served on a free loopback port;
     the cluster and the S3 server stop with the module."""
-    with loopback_s3() as env:
-        ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 object_store_memory=256 * 2**20, runtime_env={"env_vars": {**env, "HF_HUB_OFFLINE": "1",
-                                                                             "OMP_NUM_THREADS": "1"}},
-                 log_to_driver=False)
-        try:
-            port = free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
-            settings = ServeSettings(sessions="s3://emllm-sessions/ray", max_concurrent=SESSIONS)
-            serve.run(application(settings, model=SMOL, preset="S", engine_fields=LAYOUT, replicas=2),
-                      name="emllm", route_prefix="/")
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
-            ray.shutdown()
+    env, _ = s3_relay
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             object_store_memory=256 * 2**20, runtime_env={"env_vars": {**env, "HF_HUB_OFFLINE": "1",
+                                                                         "OMP_NUM_THREADS": "1"}},
+             log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        settings = ServeSettings(sessions="s3://emllm-sessions/ray", max_concurrent=SESSIONS,
+                                 store_timeout=STORE_TIMEOUT_S)
+        serve.run(application(settings, model=SMOL, preset="S", engine_fields=LAYOUT, replicas=2),
+                  name="emllm", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def turn(url: str, messages: list[dict], session: str | None, max_tokens: int = 10) -> tuple[Any, str]:
@@ -112,6 +128,30 @@ def test_requests_without_a_session_and_refusals_go_through_the_ingress(cluster)
     bad = httpx.post(f"{cluster}/v1/chat/completions", json={"messages": conversation(7), "n": 2}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
     assert httpx.get(f"{cluster}/v1/models", timeout=60).json()["data"][0]["id"] == SMOL
+
+
+def test_a_store_that_stops_answering_gets_503_through_the_ingress(cluster, s3_relay):
+    """A replica whose store stops answering fails the turn with StoreUnavailable; Ray carries it to the ingress
+    wrapped in its RayTaskError, and the client must still get what `emllm serve` gives: 503 in OpenAI's format,
+    the replica's message, Retry-After. Once the store answers again, the same session is served."""
+    _, relay = s3_relay
+    request = {"model": SMOL, "messages": note(9), "max_tokens": 6, "temperature": 0}
+    relay.answering.clear()
+    try:
+        started = time.monotonic()
+        stalled = httpx.post(f"{cluster}/v1/chat/completions", headers={"X-Session-Id": "stalled"}, json=request,
+                             timeout=300)
+        waited = time.monotonic() - started
+    finally:
+        relay.answering.set()
+    assert stalled.status_code == 503, stalled.text
+    error = stalled.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "session_store_unavailable", error
+    assert "--store-timeout" in error["message"] and "RayTaskError" not in error["message"], error
+    assert stalled.headers["retry-after"]
+    assert waited < 4 * STORE_TIMEOUT_S, f"the turn waited {waited:.0f} s on a store with a {STORE_TIMEOUT_S} s timeout"
+    again, _ = turn(cluster, note(9), "stalled")
+    assert again.choices[0].message.content
 
 
 def test_a_killed_replica_loses_no_completed_turn(cluster):

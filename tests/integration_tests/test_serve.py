@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -452,18 +453,23 @@ class Relay:
             if not self.answering.is_set():
                 continue  # held open, never read: the request waits for an answer that does not come
             upstream = socket.create_connection(self.target, timeout=30)
+            upstream.settimeout(None)  # blocking: a send waits for a slow reader instead of dropping bytes
             self.held.append(upstream)
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        source.settimeout(0.5)
+        """Copy one direction until it ends. A socket's timeout is shared by both directions, so the wait for data
+        is a poll, not a timeout: a timed-out send to a reader busy elsewhere would lose what it had not sent (and
+        select() refuses the descriptors past 1,024 that a process running Ray holds)."""
+        waiting = select.poll()
+        waiting.register(source, select.POLLIN)
         while not self.closed.is_set():
             try:
+                if not waiting.poll(500):
+                    continue
                 data = source.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
+            except (OSError, ValueError):  # closed
                 return
             if not data:
                 with contextlib.suppress(OSError):
@@ -471,13 +477,17 @@ class Relay:
                 return
             while not self.answering.is_set() and not self.closed.is_set():
                 time.sleep(0.1)  # a connection open when the store stopped answering hangs where it is
-            with contextlib.suppress(OSError):
+            try:
                 sink.sendall(data)
+            except OSError:
+                return
 
     def close(self) -> None:
         self.closed.set()
         self.listener.close()
         for connection in self.held:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)  # wakes a pump blocked in a send
             with contextlib.suppress(OSError):
                 connection.close()
 
