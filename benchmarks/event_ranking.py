@@ -12,7 +12,8 @@ questions whose evidence was all retrieved and, in brackets, the mean share retr
 apart from the model's reading. No answers are generated, so a cell of 20 questions takes seconds after the read.
 
 Rankings: "dense" (preset E's EventText: the question's MiniLM embedding against each event's), "EG" (the
-default: dense, only the events within its margin of the best, three neighbours each), "contextual" (each
+default: dense, only the events within its margin of the best, three neighbours each), "EGT" (EG whose filter stands
+aside when three events tie near the best), "EG_hop" (EG's filter on the hop ranking), "contextual" (each
 event embedded together with its two neighbours' text: 3x the embedding work), "neighbourhood" (the normalised sum
 of an event's and its neighbours' embeddings: no extra work), "smoothed" (an event's cosine plus its neighbours'),
 "bm25" (bm25s over the events' words, English stop words removed; bm25s is in the dev extra), "fused" (dense and
@@ -22,7 +23,9 @@ look that can follow a bridge). For variable tracking, "stepwise_*" asks whether
 needs it (link k once the answer has listed the chain's first k names, teacher-forced), by the question alone ("dense")
 or by retrieval that follows the answer (following_scores, scoring.AnswerText's ways). Families that record a
 question's evidence sentences (the multi-hop chains, fact QA, chronicle, handwritten) count those events, every
-fact of a chain; the others count the events holding the answers."""
+fact of a chain; the others count the events holding the answers. The JSON's rows add, per question, each ranking's
+events loaded ("{name}_loaded"), the dense ranking's 12 best cosines ("dense_top": how flat the top is) and the dense
+rank of each expected string's last evidence event ("evidence_dense_rank"; -1: in the local window)."""
 
 from __future__ import annotations
 
@@ -151,11 +154,12 @@ def _evidence(task: str, length: int, settings: BenchSettings, engine) -> list[t
     return [q.evidence for q in doc.questions]
 
 
-def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUESTIONS) -> list[dict]:
+def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUESTIONS, seed: int = 0) -> list[dict]:
     engine = EMEngine.from_pretrained(preset="E", progress=False)
     config = engine.config
     eg = EMConfig.from_preset("EG")  # the default: E's events, its ranking filtered, three neighbours each
-    settings = BenchSettings(tasks=tuple(tasks), depths=tuple(DEFAULT_DEPTHS), questions=questions)
+    egt = EMConfig.from_preset("EGT")  # EG whose filter stands aside when three events tie near the best
+    settings = BenchSettings(tasks=tuple(tasks), depths=tuple(DEFAULT_DEPTHS), questions=questions, seed=seed)
     rows = []
     for task in tasks:
         item = task_items(task, length, settings, engine.count_tokens)[0]
@@ -196,10 +200,17 @@ def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUEST
             row = {"task": task, "depth": depth, "question": question, "answers": answers, "missing": missing,
                    "in_window": sum(1 for events in in_memory if not events)}
             rankings["EG"] = eg.scorer.answering.keep_within(dense)
+            rankings["EGT"] = egt.scorer.answering.keep_within(dense)
+            rankings["EG_hop"] = eg.scorer.answering.keep_within(rankings["hop"])
             for name, scores in rankings.items():
-                chosen = selected(scores, sizes, eg if name == "EG" else config)
+                chosen = selected(scores, sizes, eg if name.startswith("EG") else config)
                 found = [all(e in chosen for e in events) for events in in_memory]
                 row[name] = sum(found) / len(found)
+                row[f"{name}_loaded"] = len(chosen)  # events in attention: the asked ones and their look-alikes
+            order = torch.argsort(dense, descending=True).tolist()
+            rank = {e: i for i, e in enumerate(order)}
+            row["dense_top"] = [round(float(v), 3) for v in dense[order[:12]]]
+            row["evidence_dense_rank"] = [max(rank[e] for e in events) if events else -1 for events in in_memory]
             if task == "variable_tracking":  # the link assigning name k is needed once the answer lists k names
                 steps = [{"dense": dense} | following_scores(memory, engine, dense, question_ids, list(expected[:k]))
                          for k in range(len(in_memory))]
@@ -209,8 +220,8 @@ def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUEST
                     row[f"stepwise_{name}"] = sum(found) / len(found)
             rows.append(row)
         memory.close()
-    names = ["dense", "EG", "hop", "contextual", "neighbourhood", "smoothed", "bm25", "fused", "fused_contextual",
-             "neighbourhood_fused"]
+    names = ["dense", "EG", "EGT", "EG_hop", "hop", "contextual", "neighbourhood", "smoothed", "bm25", "fused",
+             "fused_contextual", "neighbourhood_fused"]
     table = []
     for task in tasks:
         group = [r for r in rows if r["task"] == task]
@@ -240,11 +251,12 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=DEFAULT_QUESTIONS,
                         help="questions per document, as emllm bench's --questions (the same documents)")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the bench's documents: 0 the test split, 1 development")
     parser.add_argument("--out", type=Path, default=RESULTS / "event_ranking")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args.tasks, parse_length(args.length), args.out, args.questions)
+    run(args.tasks, parse_length(args.length), args.out, args.questions, args.seed)
 
 
 if __name__ == "__main__":

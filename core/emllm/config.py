@@ -262,6 +262,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # with three neighbours on each side of each (few events retrieved would leave a value cut by surprise in parts).
     "EG": dict(segmentation="surprise", refinement="none", contiguity=0.3, contiguity_neighbours=3,
                scorer=ForQuestions(answering=EventText(within=0.1))),
+    # EGT: EG whose filter stands aside when three or more events tie near the best (a chain's links rank flat):
+    # those questions fill the whole budget as E does; the rest are EG's.
+    "EGT": dict(segmentation="surprise", refinement="none", contiguity=0.3, contiguity_neighbours=3,
+                scorer=ForQuestions(answering=EventText(within=0.1, ties=3))),
 }
 #: Fields of earlier EMConfigs that are now parameters of a scorer (saved memories with them still load).
 MOVED_FIELDS = {"relevance_bias": "EventText(relevance_bias=...)", "retrieval_backend": "Representatives(backend=...)",
@@ -308,4 +312,6 @@ def reference_markdown() -> str:
         "many events on) and `EventText(relevance_bias=0.0)` (EpMAN's differentiating attention: answering forwards "
         "lean to the retrieved events whose text the question ranks first; preset ED sets 2.0) and "
         "`EventText(within=None)` (retrieve only the events whose text cosine is within this of the best one's: a "
-        "fact's look-alikes stay out of attention; preset EG sets 0.1, with `contiguity_neighbours=3`).", ""])
+        "fact's look-alikes stay out of attention; preset EG sets 0.1, with `contiguity_neighbours=3`) and "
+        "`EventText(ties=None)` (with within: when this many events are within the margin, nothing is filtered; "
+        "preset EGT sets 3).", ""])

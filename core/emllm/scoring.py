@@ -223,7 +223,13 @@ class EventText:
     within: float | None = None
     """Answering: retrieve only the events whose text cosine is within this of the best event's (None: fill the
     similarity budget best first). A question one fact answers ranks that fact far above the rest, so its
-    look-alikes stay out of attention; a question whose evidence ranks flat keeps the whole budget."""
+    look-alikes stay out of attention. A question whose evidence ranks flat keeps only the near-ties, not the whole
+    budget: a chain's later links, which rank 7th to 300th of ~1,000 events, are dropped unless ``ties`` is set."""
+
+    ties: int | None = None
+    """Answering, with ``within``: when at least this many events are within the margin, the question names no one
+    fact (a chain's links or a list's items rank flat, where a fact's look-alikes tie with it as one or two), so
+    nothing is filtered and the whole budget fills best first (None: always filter)."""
 
     uses_event_text = True
     query_free = True
@@ -236,6 +242,12 @@ class EventText:
         if within is not None and (not isinstance(within, (int, float)) or isinstance(within, bool)
                                    or not 0 < within <= 2):
             raise ValueError(f"EventText's within is a cosine margin in (0, 2] (None = off), got {within!r}.")
+        ties = self.ties
+        if ties is not None and (not isinstance(ties, int) or isinstance(ties, bool) or ties < 2):
+            raise ValueError(f"EventText's ties is a number of events >= 2 (None = off), got {ties!r}.")
+        if ties is not None and within is None:
+            raise ValueError("EventText's ties says when within's filter stands aside; set within too "
+                             "(EventText(within=0.1, ties=3)) or leave ties None.")
 
     def score(self, step: ScoringStep) -> torch.Tensor:
         scores = answering_scores(step, step.plan.text_scores, "EventText ranks events by a question, which only "
@@ -245,10 +257,14 @@ class EventText:
 
     def keep_within(self, scores: torch.Tensor) -> torch.Tensor:
         """``scores`` with every event further than ``within`` below the best set to -inf (never retrieved); all of
-        them where ``within`` is None. Public so that analyses rank exactly as the scorer does."""
+        them where ``within`` is None, or where ``ties`` or more events are within it. Public so that analyses rank
+        exactly as the scorer does."""
         if self.within is None or not scores.numel():
             return scores
-        return scores.masked_fill(scores < scores.max() - self.within, float("-inf"))
+        far = scores < scores.max() - self.within
+        if self.ties is not None and int((~far).sum()) >= self.ties:
+            return scores
+        return scores.masked_fill(far, float("-inf"))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ EXPECTED_PRESETS = {
     "ED": ("surprise", "none", 0.3, "episodic"),
     "EA": ("surprise", "none", 0.3, "episodic"),
     "EG": ("surprise", "none", 0.3, "episodic"),
+    "EGT": ("surprise", "none", 0.3, "episodic"),
 }
 
 POSITIVE_INT_FIELDS = ["n_local", "n_mem", "chunk_size", "min_block_size", "max_block_size", "repr_topk",
@@ -60,7 +61,9 @@ def test_the_text_presets_rank_questions_by_event_text_and_keep_neighbours():
     assert EMConfig.from_preset("EA").scorer == ForQuestions(answering=Fused((EventText(), AnswerText(every=4))))
     assert EMConfig.from_preset("EG").scorer == ForQuestions(answering=EventText(within=0.1))
     assert EMConfig.from_preset("EG").contiguity_neighbours == 3 > EMConfig.from_preset("E").contiguity_neighbours
-    for name in ("E", "ER", "ED", "EA", "EG"):
+    assert EMConfig.from_preset("EGT").scorer == ForQuestions(answering=EventText(within=0.1, ties=3))
+    assert EMConfig.from_preset("EGT").contiguity_neighbours == 3
+    for name in ("E", "ER", "ED", "EA", "EG", "EGT"):
         config = EMConfig.from_preset(name)
         assert (config.segmentation, config.refinement, config.contiguity) == ("surprise", "none", 0.3)
 

@@ -134,6 +134,30 @@ def test_within_leaves_out_the_events_far_below_the_best_one():
     assert torch.equal(EventText().score(_step(5, text_scores=cosines)), cosines)
 
 
+def test_ties_lets_a_flat_ranking_fill_the_whole_budget():
+    """EventText(within=m, ties=k): a question whose best events tie (k or more within m of the best: a chain's links)
+    keeps every event; one with fewer near the best (a fact and a look-alike) is filtered as without ties."""
+    flat = torch.tensor([0.40, 0.45, 0.10, 0.42, 0.20])
+    sharp = torch.tensor([0.30, 0.92, 0.55, 0.85, 0.10])
+    scorer = EventText(within=0.1, ties=3)
+    assert torch.equal(scorer.score(_step(5, text_scores=flat)), flat)
+    assert torch.equal(torch.isfinite(scorer.score(_step(5, text_scores=sharp))),
+                       torch.tensor([False, True, False, True, False]))
+    assert torch.equal(torch.isfinite(EventText(within=0.1).score(_step(5, text_scores=flat))),
+                       torch.tensor([True, True, False, True, False]))
+
+
+@pytest.mark.parametrize("value", [1, 0, 2.0, True, "3"])
+def test_ties_is_checked(value):
+    with pytest.raises(ValueError, match="ties is a number of events"):
+        EventText(within=0.1, ties=value)
+
+
+def test_ties_without_within_is_refused():
+    with pytest.raises(ValueError, match="set within too"):
+        EventText(ties=3)
+
+
 def test_a_new_question_s_contiguity_buffer_holds_only_its_own_neighbours():
     """Neighbours queued while the text was read (a needle's value without the key that names it, say) leave at a
     new question: its memory part is its own retrieval and that retrieval's neighbours. A budget with room to spare
@@ -182,7 +206,8 @@ def test_within_is_checked(value):
 
 
 def test_within_survives_saving_as_a_description_set_or_not():
-    for scorer in (ForQuestions(answering=EventText(within=0.1)), ForQuestions(answering=EventText())):
+    for scorer in (ForQuestions(answering=EventText(within=0.1)), ForQuestions(answering=EventText()),
+                   ForQuestions(answering=EventText(within=0.1, ties=3))):
         assert scorer_from_spec(scorer_to_spec(scorer)) == scorer
 
 
