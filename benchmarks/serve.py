@@ -16,8 +16,10 @@ Bytes per token: the local save's files over its tokens, beside the bf16 K and V
 answered one after another and then all at once (threads; the server decodes them together, emllm.batching).
 Decode rate, as the in-process benchmark (batched_decoding.py) counts it: tokens after the first over the time from
 the first streamed token to the last (one at a time: summed over turns; at once: from the first turn's first token
-to the last turn's last). Beside it, whole turns: completion tokens over the turns' wall time, each turn's question
-read and its save (made before the response ends) included.
+to the last turn's last). The first window holds the other turns' question reads; the in-process benchmark times
+only decoding, so a second row counts the content deltas streamed once every turn streams (from the last turn's
+first delta), against one turn's deltas alone. Beside them, whole turns: completion tokens over the turns' wall time,
+each turn's question read and its save (made before the response ends) included.
 
 Each figure is one request on this machine (printed with its CPU) and noisy; the table gives ratios measured in one
 run. The issue's goals: restored <= 0.1x cold and warm <= 0.02x cold at 32K; N=8 at once >= 4x one at a time.
@@ -87,20 +89,20 @@ class Server:
 def turn(url: str, model: str, messages: list[dict], session: str, max_tokens: int = 24) -> dict:
     """One streamed turn: seconds to the first content delta and to the end, the answer, its token counts."""
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=3600, max_retries=0)
-    started, first, last, text, usage = time.perf_counter(), None, None, [], None
+    started, arrivals, text, usage = time.perf_counter(), [], [], None
     for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
                                                 stream=True, stream_options={"include_usage": True},
                                                 extra_headers={"X-Session-Id": session}):
         if chunk.choices and chunk.choices[0].delta.content:
-            last = time.perf_counter()
-            first = first or last
+            arrivals.append(time.perf_counter())
             text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             usage = chunk.usage
     ended = time.perf_counter()
-    return {"first_s": (first or ended) - started, "total_s": ended - started, "text": "".join(text),
+    first, last = (arrivals[0], arrivals[-1]) if arrivals else (ended, ended)
+    return {"first_s": first - started, "total_s": ended - started, "text": "".join(text),
             "cached": usage.prompt_tokens_details.cached_tokens, "completion_tokens": usage.completion_tokens,
-            "started_at": started, "first_at": first or ended, "last_at": last or ended}
+            "started_at": started, "first_at": first, "last_at": last, "arrivals": arrivals}
 
 
 def conversation(length: int, count: object, seed: int = 0) -> tuple[list[dict], str]:
@@ -230,12 +232,21 @@ def concurrency(args: argparse.Namespace, model: str, count: object, logs: Path,
     decoded = [sum(t["completion_tokens"] - 1 for t in turns) for turns in (alone, together)]
     alone_decode = decoded[0] / sum(t["last_at"] - t["first_at"] for t in alone)
     together_decode = decoded[1] / (max(t["last_at"] for t in together) - min(t["first_at"] for t in together))
+    # Once every turn streams: content deltas after the last turn's first one, over the time to the last delta, as
+    # batched_decoding.py times its conversations from their last prompt token (reads and forks left out); alone:
+    # each turn's deltas after its first over its own span (deltas, not tokens, in both, so the ratio is like for like)
+    all_streaming = max(t["first_at"] for t in together)
+    streamed = sum(1 for t in together for at in t["arrivals"] if at > all_streaming)
+    together_streaming = streamed / (max(t["last_at"] for t in together) - all_streaming)
+    alone_streaming = sum(len(t["arrivals"]) - 1 for t in alone) / sum(t["last_at"] - t["first_at"] for t in alone)
     alone_rate = sum(t["completion_tokens"] for t in alone) / sum(t["total_s"] for t in alone)
     together_rate = sum(t["completion_tokens"] for t in together) / wall
     return {"sessions": args.concurrent, "alone_decode_tokens_per_s": alone_decode,
             "together_decode_tokens_per_s": together_decode, "decode_speedup": together_decode / alone_decode,
             "alone_tokens_per_s": alone_rate, "together_tokens_per_s": together_rate,
             "speedup": together_rate / alone_rate,
+            "alone_deltas_per_s": alone_streaming, "all_streaming_deltas_per_s": together_streaming,
+            "all_streaming_speedup": together_streaming / alone_streaming,
             "same_answers": sum(a["text"] == t["text"] for a, t in zip(alone, together, strict=True)),
             "second_question": args.second_question, "completion_tokens": [t["completion_tokens"] for t in together],
             "together_first_last_s": [(round(t["first_at"] - started, 2), round(t["last_at"] - started, 2))
@@ -312,6 +323,9 @@ def write_tables(args: argparse.Namespace, rows: list[dict], concurrent_row: dic
                   f"| {c['sessions']} | decoding (first to last token streamed) | "
                   f"{c['alone_decode_tokens_per_s']:.2f} | {c['together_decode_tokens_per_s']:.2f} | "
                   f"{c['decode_speedup']:.2f}x | {c['same_answers']}/{c['sessions']} |",
+                  f"| {c['sessions']} | decoding once all stream (deltas/s, from the last first delta) | "
+                  f"{c['alone_deltas_per_s']:.2f} | {c['all_streaming_deltas_per_s']:.2f} | "
+                  f"{c['all_streaming_speedup']:.2f}x | {c['same_answers']}/{c['sessions']} |",
                   f"| {c['sessions']} | whole turns (question read, saves included) | {c['alone_tokens_per_s']:.2f} | "
                   f"{c['together_tokens_per_s']:.2f} | {c['speedup']:.2f}x | {c['same_answers']}/{c['sessions']} |"]
     args.out.mkdir(parents=True, exist_ok=True)
