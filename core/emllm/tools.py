@@ -200,16 +200,18 @@ def parse_call(body: str) -> ToolCall | InvalidToolCall:
 
 
 def parse_reply(text: str, schemas: ToolSchemas | None = None) -> ParsedReply:
-    """A whole answer split into its text and its tool calls (each checked against ``schemas`` when given); a block
-    left open (cut by max_tokens) is invalid."""
-    stream = CallStream()
+    """A whole answer split into its text and its tool calls; a block left open (cut by max_tokens) is invalid.
+    With ``schemas`` (the request's tools) it is read as ReplyStream reads it streamed: calls written as bare JSON
+    count, and each call is checked against its tool. So a reply asked for whole gives the calls it gives streamed
+    (a server's non-streaming answer and its stream agree)."""
+    stream: CallStream | ReplyStream = CallStream() if schemas is None else ReplyStream(schemas)
     reply = ParsedReply("")
     pieces: list[str] = []
     for piece in stream.feed(text) + stream.close():
         if isinstance(piece, str):
             pieces.append(piece)
         else:
-            _add(reply, schemas.checked(piece) if schemas is not None else piece)
+            _add(reply, piece)
     reply.content = "".join(pieces).strip()
     return reply
 

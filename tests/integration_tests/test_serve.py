@@ -49,7 +49,7 @@ def free_port() -> int:
 class Server:
     """One `emllm serve` process on a free loopback port, over a session store (a folder or a URL)."""
 
-    def __init__(self, store: Path | str, *extra: str, env: dict[str, str] | None = None):
+    def __init__(self, store: Path | str, *extra: str, env: dict[str, str] | None = None, model: str = SMOL):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in LAYOUT.items()]
@@ -57,7 +57,7 @@ class Server:
         self.log_path = Path(tempfile.mkstemp(prefix=f"emllm-serve-{self.port}-", suffix=".log")[1])
         self._log = self.log_path.open("w")  # a file, not a pipe: a pipe nobody drains would block the server
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "emllm_integrations.cli", "serve", "--model", SMOL, "--preset", "S", *flags,
+            [sys.executable, "-m", "emllm_integrations.cli", "serve", "--model", model, "--preset", "S", *flags,
              "--host", "127.0.0.1", "--port", str(self.port), "--sessions", str(store), *keys, *extra],
             env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **(env or {})), stdout=subprocess.DEVNULL,
             stderr=self._log)
@@ -291,6 +291,34 @@ def test_langchain_openai_chat_model_through_the_server(server):
     message = caller.invoke("How much is a pear? Look up its price.")
     assert message.tool_calls and message.tool_calls[0]["name"] == "lookup_price"
     assert isinstance(message.tool_calls[0]["args"].get("item"), str)
+
+
+def test_a_tool_call_the_default_model_writes_as_bare_json_is_a_call_whole_and_streamed(tmp_path):
+    """Qwen2.5-Coder answers a tool request under tool_choice="auto" with a bare JSON call, without the Hermes tags.
+    Through ChatOpenAI it must be the same tool call asked for whole as streamed (the non-streaming answer once
+    passed it on as text: content '{"name": "get_weather", ...}', no tool_calls)."""
+    from langchain_openai import ChatOpenAI
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    server = Server(tmp_path, model="qwen2.5-coder-0.5b-instruct")
+    try:
+        llm = ChatOpenAI(model="qwen2.5-coder-0.5b-instruct", base_url=f"{server.url}/v1", api_key=KEYS[0],
+                         temperature=0, max_tokens=60, max_retries=0, timeout=300).bind_tools([get_weather])
+        question = "What's the weather in Paris? Use the tool."
+        whole = llm.invoke(question)
+        streamed = None
+        for piece in llm.stream(question):
+            streamed = piece if streamed is None else streamed + piece
+    finally:
+        server.stop()
+    calls = [(call["name"], call["args"]) for call in whole.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"})], (whole.content, whole.tool_calls)
+    assert calls == [(call["name"], call["args"]) for call in streamed.tool_calls]
+    assert whole.content == streamed.content == ""
+    assert whole.response_metadata["finish_reason"] == streamed.response_metadata["finish_reason"] == "tool_calls"
 
 
 def test_llama_index_openai_like_chat_and_completion_through_the_server(server):

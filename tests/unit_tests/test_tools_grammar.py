@@ -85,6 +85,34 @@ def test_every_call_passed_on_is_valid_for_its_tool_and_the_rest_say_why(reply, 
     assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
 
+@pytest.mark.parametrize("reply", [
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}',                       # Qwen2.5-Coder's bare call
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n{"name": "get_weather", "arguments": {"city": "Rome"}}',
+    '{"name": "get_weather", "arguments": {"city": 7}}',                              # bare, against its schema
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    '{"temperature": 21}',                                                            # JSON, not a call
+    "It is sunny in Paris.",
+])
+def test_a_whole_reply_gives_the_calls_and_text_its_stream_gives(reply):
+    """The server answers a non-streaming request with parse_reply and a streaming one with ReplyStream: a bare
+    JSON call (what the default model writes under tool_choice="auto") must be a call either way, not a call
+    streamed and text whole."""
+    schemas = ToolSchemas([WEATHER])
+    whole = parse_reply(reply, schemas)
+    stream, pieces = ReplyStream(schemas), []
+    for i in range(0, len(reply), 3):
+        pieces += stream.feed(reply[i:i + 3])
+    pieces += stream.close()
+    assert [(c.name, c.arguments) for c in whole.calls] == \
+        [(p.name, p.arguments) for p in pieces if isinstance(p, ToolCall)]
+    assert [(c.name, c.error) for c in whole.invalid] == \
+        [(p.name, p.error) for p in pieces if isinstance(p, InvalidToolCall)]
+    assert whole.content == "".join(p for p in pieces if isinstance(p, str)).strip()
+    if reply.lstrip("`json\n").startswith('{"name"'):
+        assert whole.calls or whole.invalid  # a bare call of a bound tool is never passed on as text
+
+
 def test_a_closing_tag_inside_an_argument_stays_in_the_argument():
     """The tag's text inside a JSON string (a document quoting a call) does not end the call, streamed or whole."""
     text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "a </tool_call> \\" b"}}\n</tool_call>'
