@@ -12,14 +12,17 @@ import logging
 import secrets
 import threading
 import time
+import types
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from .metrics import Metrics
 from .openai_format import (SESSION_ID, ChatCall, Reply, RequestError, check_chat_request, check_completion_request,
@@ -140,8 +143,7 @@ def create_app(backend: Backend, settings: ServeSettings) -> FastAPI:
             call = check(body, model, settings.default_max_tokens, request.headers.get("x-session-id"))
             reply = await backend.answer(call, _space(request, settings))
             if reply.events is not None:
-                return StreamingResponse(slot.held_by(reply.events), media_type="text/event-stream",
-                                         headers=reply.headers)
+                return EventStream(slot.held_by(reply.events), headers=reply.headers)
             return JSONResponse(reply.body, headers=reply.headers)
         except (TypeError, ValueError) as error:  # RequestError, or the engine refusing before it read anything
             refused = refusal(error)
@@ -192,6 +194,43 @@ def _check_session_id(session_id: str) -> None:
                            param="session_id")
 
 
+class EventStream(StreamingResponse):
+    """A streamed answer whose events are closed when the response ends, however it ends. A turn's events hold its
+    session until they are closed; a client that disconnects mid-stream leaves Starlette's iteration of them cut
+    but not closed, and they would hold the session until the garbage collector found them (on an idle server,
+    never): every later turn of that session would wait behind them."""
+
+    def __init__(self, events: Iterator[str] | AsyncIterator[str], headers: dict[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_events(self._events)
+
+
+async def close_events(events: Any) -> None:
+    """Close a stream's events (a generator, or an async generator) even inside a cancelled request: closing runs
+    the turn's own cleanup (its memory let go, its session released), which must happen whatever cut the stream."""
+    with anyio.CancelScope(shield=True):
+        if isinstance(events, AsyncGenerator):
+            await events.aclose()
+        elif isinstance(events, types.GeneratorType):
+            await anyio.to_thread.run_sync(close_when_idle, events)
+
+
+def close_when_idle(events: types.GeneratorType) -> None:
+    """Close a generator once the step it may be running in another thread has ended (a step reads a prompt or
+    decodes a token: it cannot be cut). Ray delivers a cancellation to a replica's stream while its worker thread
+    is still inside the generator, where close() would raise 'generator already executing' and leave the turn
+    holding its session; nobody steps it again after the stream is cut, so waiting for the step is enough."""
+    while events.gi_running:
+        time.sleep(0.01)
+    events.close()
+
+
 def _error(error: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
@@ -224,6 +263,7 @@ class _Slot:
                         yield event
                 finally:
                     self.release()
+                    await close_events(events)
 
             held = async_stream()
         else:

@@ -37,7 +37,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.concurrency import run_in_threadpool
 
 from .answers import InProcess
-from .app import ServeSettings, create_app
+from .app import ServeSettings, close_events, create_app
 from .metrics import Metrics
 from .openai_format import ChatCall, Reply, RequestError, error_event, refusal
 from .sessions import Sessions, StoreUnavailable
@@ -108,8 +108,11 @@ class SessionReplica:
             return
         yield {"replica": self.replica, "stream": True}
         events = iter(reply.events)  # type: ignore[arg-type]  # InProcess streams synchronously
-        while (event := await run_in_threadpool(next, events, None)) is not None:
-            yield event
+        try:
+            while (event := await run_in_threadpool(next, events, None)) is not None:
+                yield event
+        finally:  # a client gone cancels this stream: its turn must still let its session go (app.EventStream)
+            await close_events(events)
 
     async def describe(self, space: str, session_id: str) -> dict[str, Any] | None:
         info = await self.backend.describe(space, session_id)
@@ -177,11 +180,17 @@ async def _from_replica(result: Awaitable[T]) -> T:
 
 
 async def _events(stream: DeploymentResponseGenerator) -> AsyncIterator[str]:
+    ended = False
     try:
         async for event in stream:
             yield event
+        ended = True
     except Exception as error:  # the replica died mid-answer: the stream ends with an error event
+        ended = True
         yield error_event(error)
+    finally:
+        if not ended:  # the client left (app.EventStream closes this): the replica's turn is cancelled, not left
+            stream.cancel()  # holding its session
 
 
 @serve.ingress()

@@ -130,6 +130,22 @@ def test_requests_without_a_session_and_refusals_go_through_the_ingress(cluster)
     assert httpx.get(f"{cluster}/v1/models", timeout=60).json()["data"][0]["id"] == SMOL
 
 
+def test_a_client_that_leaves_mid_stream_lets_its_session_go_on_its_replica(cluster):
+    """A streaming client that disconnects after a few events: the ingress cancels the replica's stream and the
+    replica closes the turn, so the session's next turn is answered (not left waiting on a turn nobody reads)."""
+    body = {"model": SMOL, "messages": conversation(3), "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{cluster}/v1/chat/completions", headers={"X-Session-Id": "walks-away"}, json=body,
+                      timeout=120) as response:
+        assert response.status_code == 200
+        for count, _ in enumerate(response.iter_lines()):
+            if count >= 3:
+                break  # the client is gone: the connection closes with the stream unread
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", timeout=90, max_retries=0)
+    again = client.chat.completions.create(model=SMOL, messages=conversation(3), max_tokens=10, temperature=0,
+                                           extra_headers={"X-Session-Id": "walks-away"})
+    assert again.choices[0].message.content == turn(cluster, conversation(3), "stays")[0].choices[0].message.content
+
+
 def test_a_store_that_stops_answering_gets_503_through_the_ingress(cluster, s3_relay):
     """A replica whose store stops answering fails the turn with StoreUnavailable; Ray carries it to the ingress
     wrapped in its RayTaskError, and the client must still get what `emllm serve` gives: 503 in OpenAI's format,

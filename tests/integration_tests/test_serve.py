@@ -268,6 +268,23 @@ def test_concurrent_sessions_each_get_their_alone_answer(server):
     assert all(reply.usage.prompt_tokens_details.cached_tokens >= document for reply in replies)
 
 
+def test_a_client_that_leaves_mid_stream_lets_its_session_go(server):
+    """A streaming client that disconnects after a few events: its turn is closed, not left holding the session
+    (it once held it until the garbage collector ran, on an idle server for ever, and the session's next turn
+    waited behind it). The next turn of that session is answered, as a new session answers the same messages."""
+    auth = {"Authorization": f"Bearer {KEYS[0]}", "X-Session-Id": "walks-away"}
+    body = {"model": SMOL, "messages": first_turn(), "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers=auth, json=body, timeout=120) as response:
+        assert response.status_code == 200
+        for count, _ in enumerate(response.iter_lines()):
+            if count >= 3:
+                break  # the client is gone: the connection closes with the stream unread
+    quick = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS[0], timeout=60, max_retries=0)
+    again = ask(quick, first_turn(), session="walks-away")
+    alone = ask(quick, first_turn(), session="stays")
+    assert again.choices[0].message.content == alone.choices[0].message.content
+
+
 def test_langchain_openai_chat_model_through_the_server(server):
     """ChatOpenAI(base_url=...) in an LCEL chain answers as the raw client does, and its bind_tools gets a call that
     matches the tool's schema."""
