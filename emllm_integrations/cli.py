@@ -21,7 +21,7 @@ from .bench import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QU
 from . import parts, serve
 
 ENGINE_OVERRIDES = ("n_local", "n_mem", "chunk_size", "ram_budget_mb", "retrieval_scoring", "retrieval_pooling",
-                    "memory_positions", "contiguity_neighbours")
+                    "memory_positions", "contiguity_neighbours", "full_until")
 """Engine fields the command line can override (flags of the same name; bench.config_overrides turns the retrieval
 ones into EMConfig's scorer); one list for demo, chat and bench."""
 
@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="where retrieved events sit for RoPE (default fixed, as in the paper; see EMConfig)")
         p.add_argument("--contiguity-neighbours", dest="contiguity_neighbours", type=int,
                        help="events on each side of a retrieved one that come along (default: the preset's; EG: 3)")
+        p.add_argument("--full-until", dest="full_until", type=parse_length,
+                       help="read inputs up to this many tokens in plain full attention (at most half the model's "
+                            "trained length; default 0: never)")
 
     p_demo = sub.add_parser("demo", help="EM-LLM and RAG side by side on a long real-prose document")
     common(p_demo)
@@ -271,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                               "EMConfig)")
     p_bench.add_argument("--contiguity-neighbours", dest="contiguity_neighbours", type=int,
                          help="EM-LLM: events on each side of a retrieved one that come along (default: the preset's)")
+    p_bench.add_argument("--full-until", dest="full_until", type=parse_length,
+                         help="EM-LLM: read inputs up to this many tokens in plain full attention (at most half "
+                              "the model's trained length; default 0: never)")
     p_bench.add_argument("--ram-budget-mb", dest="ram_budget_mb", type=float,
                          help="EM-LLM: RAM for evicted KV and the event index; the rest goes to --offload-dir")
     p_bench.add_argument("--offload-dir", dest="offload_dir", help="EM-LLM: folder for KV pages past the RAM budget")

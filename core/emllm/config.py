@@ -52,6 +52,8 @@ class EMConfig:
     """Token budget of retrieved events (similarity buffer + contiguity buffer)."""
     chunk_size: int = 512
     """Tokens per forward pass while reading input; retrieval runs once per chunk."""
+    full_until: int = 0
+    """Inputs up to this many tokens are read in plain full attention (at most half the trained length); 0 = off."""
 
     attention: AttentionMode = "episodic"
     """"full" is plain full attention over every token (the baseline; fails past the trained context)."""
@@ -111,8 +113,10 @@ class EMConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
-        if not isinstance(self.n_init, int) or isinstance(self.n_init, bool) or self.n_init < 0:
-            raise ConfigError(f"n_init must be an integer >= 0, got {self.n_init!r}.")
+        for name in ("n_init", "full_until"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}.")
         _check_choice("segmentation", self.segmentation, get_args(Segmentation))
         _check_choice("refinement", self.refinement, get_args(Refinement))
         _check_choice("attention", self.attention, get_args(AttentionMode))
@@ -185,6 +189,17 @@ class EMConfig:
         """The largest relative position the local window can reach (see EpisodicMemory.evict for why)."""
         return self.n_init + self.n_local + 2 * self.max_block_size + self.chunk_size
 
+    def full_attention_tokens(self, max_positions: int) -> int:
+        """How long an input is read in plain full attention before the first eviction (full_until, at most half the
+        model's trained positions ``max_positions``); 0 when episodic attention starts at once."""
+        return min(self.full_until, max_positions // 2) if self.attention == "episodic" else 0
+
+    def window_capacity(self, max_positions: int) -> int:
+        """The most tokens a local window can hold: max_position(), or while full attention lasts, that many tokens
+        and one more chunk (nothing is evicted until a forward ends past full_until)."""
+        full = self.full_attention_tokens(max_positions)
+        return max(self.max_position(), full + self.chunk_size if full else 0)
+
     def rope_positions(self) -> int:
         """Positions the rotary table must cover: the window's, and under ordered memory positions the memory part
         (sinks + at most n_mem retrieved tokens) laid out before it."""
@@ -220,7 +235,7 @@ class EMConfig:
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "layout": ("n_init", "n_local", "n_mem", "chunk_size", "attention", "memory_positions"),
+    "layout": ("n_init", "n_local", "n_mem", "chunk_size", "full_until", "attention", "memory_positions"),
     "segmentation": ("segmentation", "refinement", "gamma", "surprise_window", "min_block_size", "max_block_size"),
     "retrieval": ("repr_topk", "contiguity", "contiguity_neighbours", "scorer", "event_embedding"),
     "storage": ("page_tokens", "ram_budget_mb", "device_budget_mb", "offload_dir", "disk_budget_mb",

@@ -44,6 +44,9 @@ class LayerMemory:
         self.config, self.shape, self.device, self.rope = config, shape, device, rope
         kv, d = shape.num_kv_heads, shape.head_dim
         capacity = config.max_position() if config.attention == "episodic" else config.chunk_size
+        # An episodic window is allocated at its layout's size and grows only while an input is read in full
+        # attention (EMConfig.full_until), up to this many tokens; full attention grows without bound.
+        self.most_tokens = config.window_capacity(shape.max_positions) if config.attention == "episodic" else None
         self.keys = torch.empty(kv, capacity, d, dtype=shape.dtype, device=device)        # [kv, cap, d] raw
         self.values = torch.empty_like(self.keys)                                         # [kv, cap, d]
         self.rotated = torch.empty_like(self.keys)        # keys rotated at their window position
@@ -80,9 +83,9 @@ class LayerMemory:
         window before them is rotated too; otherwise window_keys rotates them when they are read."""
         q = keys.shape[1]
         if self.length + q > self.keys.shape[1]:
-            if self.config.attention == "episodic":
+            if self.most_tokens is not None and self.length + q > self.most_tokens:
                 raise RuntimeError("local window overflow: evict() was not called between forward passes")
-            self._grow(max(2 * self.keys.shape[1], self.length + q))
+            self._resize(min(max(2 * self.keys.shape[1], self.length + q), self.most_tokens or self.length + q))
         self.keys[:, self.length:self.length + q] = keys
         self.values[:, self.length:self.length + q] = values
         self._received[:, self.length:self.length + q] = 0  # not .scores: a deferred step never sees later keys
@@ -125,16 +128,26 @@ class LayerMemory:
                                                        torch.stack(lse), on_device(list(visible), self.device),
                                                        self._deferred_scaling)
 
-    def _grow(self, capacity: int) -> None:
-        """Only full attention grows; episodic windows are preallocated at their maximum size."""
-        for name in ("keys", "values", "rotated"):
-            old = getattr(self, name)
-            new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
-            new[:, : self.length] = old[:, : self.length]
-            setattr(self, name, new)
-        scores = torch.zeros(self._received.shape[0], capacity, dtype=torch.float32, device=self.device)
-        scores[:, : self.length] = self.scores[:, : self.length]
-        self._received = scores
+    def fit_capacity(self) -> None:
+        """Give back the room a full-attention start grew the window to, once it holds the layout's tokens again."""
+        layout = self.config.max_position()
+        if self.config.attention == "episodic" and self.keys.shape[1] > layout >= self.length:
+            self._resize(layout)
+
+    def _resize(self, capacity: int) -> None:
+        """Reallocate the window's buffers to hold ``capacity`` tokens, keeping the ones it holds. Made as ordinary
+        tensors even inside a forward's inference mode: a fork or a save writes into them later, outside it."""
+        self.flush_received()
+        self.rope.ensure(capacity)
+        with torch.inference_mode(False):
+            for name in ("keys", "values", "rotated"):
+                old = getattr(self, name)
+                new = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
+                new[:, : self.length] = old[:, : self.length]
+                setattr(self, name, new)
+            scores = torch.zeros(self._received.shape[0], capacity, dtype=torch.float32, device=self.device)
+            scores[:, : self.length] = self._received[:, : self.length]
+            self._received = scores
 
     def window_keys(self) -> torch.Tensor:
         """[kv, length, d] keys rotated at their position in the window; only new tokens are rotated."""

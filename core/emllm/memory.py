@@ -186,6 +186,8 @@ class EpisodicMemory:
         if config.attention == "full":
             return 0
         window = self.layers[0].length
+        if not self.sinks_split and window <= config.full_attention_tokens(self.shape.max_positions):
+            return 0  # still short enough to be read in plain full attention
         sinks = 0 if self.sinks_split else min(config.n_init, window)
         overflow = window - sinks - config.n_local
         if overflow < config.max_block_size:
@@ -214,6 +216,7 @@ class EpisodicMemory:
         self.event_sizes = torch.cat([self.event_sizes, sizes])
         for layer in self.layers:
             layer.drop_oldest(end)
+            layer.fit_capacity()  # the window of a full-attention start goes back to the layout's size
         self.local_start += end
         if grows:
             release_freed_memory()

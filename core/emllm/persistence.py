@@ -92,7 +92,7 @@ PLACEMENT_FIELDS = ("page_tokens", "ram_budget_mb", "device_budget_mb", "disk_bu
 # it from the manifest would let whoever wrote the file choose a folder of weights for this process to load.
 ENGINE_FIELDS = ("event_embedding",)
 # Config fields added after FORMAT_VERSION 1 was written, with the value that files lacking them were read with.
-ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm"}
+ADDED_FIELDS: dict[str, Any] = {"memory_positions": "fixed", "event_embedding": "minilm", "full_until": 0}
 # Config fields of earlier releases that the scorer objects replaced (retrieval_scoring, retrieval_pooling) or that
 # were removed, with the values a file may hold and still load: read_question_alone only chose how later prompts are
 # cut into forwards (now always alone), so either; decode_retrieve_every and refine_layers only their kept value (1;
@@ -560,7 +560,7 @@ def _load_once(target: Path, engine: EngineLike, config: EMConfig | None) -> Epi
     expected = _expected_specs(info, manifest["model"])
     files = _check_files(manifest, expected, target)
     state = read_state(target / STATE_FILE, files[STATE_FILE], expected[STATE_FILE])
-    _check_consistency(state, info, memory_config, target)
+    _check_consistency(state, info, memory_config, engine.shape.max_positions, target)
     memory = engine.new_memory(memory_config)
     try:
         _stream_kv(memory.store, target, files, info)
@@ -824,7 +824,8 @@ def read_state(path: Path, entry: dict, expected: dict) -> dict[str, torch.Tenso
     return state
 
 
-def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMConfig, target: Path) -> None:
+def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMConfig, max_positions: int,
+                       target: Path) -> None:
     """Relations between the arrays that a well-formed memory always satisfies (cheap; catches a manifest whose
     counts were forged consistently but do not describe a real memory)."""
     starts, sizes = state["event_starts"], state["event_sizes"]
@@ -839,7 +840,7 @@ def _check_consistency(state: dict[str, torch.Tensor], info: dict, config: EMCon
     if info["local_start"] != info["sink_tokens"] + info["evicted_tokens"]:
         problems.append("local_start is not sinks + evicted tokens")
     if info["rotated_tokens"] > info["window_tokens"] or info["sink_tokens"] > config.n_init or (
-            config.attention == "episodic" and info["window_tokens"] > config.max_position()):
+            config.attention == "episodic" and info["window_tokens"] > config.window_capacity(max_positions)):
         problems.append("window or sink sizes exceed the layout")
     if info["kv_pages"] != math.ceil(info["evicted_tokens"] / info["kv_page_tokens"]):
         problems.append("KV page count does not match the evicted tokens")

@@ -100,3 +100,28 @@ def test_qwen_logits_equal_vanilla():
     # and it generates through the engine
     result = engine.generate("def add(a, b):\n    return", max_new_tokens=4)
     assert result.output_tokens >= 1 and result.text.strip()
+
+
+def test_full_until_reads_in_full_attention_then_hands_over_to_the_memory(smol_fp32, smol_vanilla):
+    """full_until: an input of at most that many tokens is the unmodified model (nothing evicted, true positions)
+    however small the layout; the forward that ends past it evicts down to the layout, and the memory goes on."""
+    engine = make_engine(smol_fp32, "S", full_until=600)
+    ids = engine.tokenize(TEXT * 4)[:768]
+    memory = engine.new_memory()
+    memory.track_surprise = True
+    logits = [engine.forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True) for i in range(0, 576, 64)]
+    assert memory.num_events == 0 and memory.layers[0].length == 576  # 576 > the layout's 32 + 224 + 64 + 64
+    logits.append(engine.forward(memory, torch.tensor(ids[576:640]), retrieve=True))  # ends at 640 > 600: evicts
+    torch.testing.assert_close(torch.cat(logits), _vanilla_logits(smol_vanilla, ids[:640]), rtol=0, atol=2e-4)
+    layout = engine.config.max_position()
+    assert memory.num_events > 0 and memory.layers[0].length <= layout
+    assert memory.layers[0].keys.shape[1] == layout  # the grown window gave its room back
+    after = torch.cat([engine.forward(memory, torch.tensor(ids[i:i + 64]), retrieve=True) for i in (640, 704)])
+    assert (after - _vanilla_logits(smol_vanilla, ids)[640:]).abs().max() > 1e-2  # the memory is in play now
+
+
+def test_full_until_is_capped_at_half_the_trained_length(smol_fp32):
+    """SmolLM2 was trained on 8,192 positions: full attention lasts at most 4,096 tokens whatever is asked."""
+    engine = make_engine(smol_fp32, "S", full_until=100_000)
+    assert engine.config.full_attention_tokens(engine.shape.max_positions) == engine.shape.max_positions // 2
+    assert engine.new_memory().layers[0].most_tokens == engine.shape.max_positions // 2 + engine.config.chunk_size

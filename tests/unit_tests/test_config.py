@@ -363,3 +363,9 @@ def test_an_offload_dir_that_is_a_file_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         EMConfig(offload_dir=str(taken), ram_budget_mb=1)
     EMConfig(offload_dir=str(tmp_path / "new"), ram_budget_mb=1)  # a missing folder is created later
+
+
+def test_full_until_is_refused_unless_a_count_of_tokens():
+    for value in (-1, 1.5, True, "16K"):
+        with pytest.raises(ConfigError, match="full_until"):
+            EMConfig(full_until=value)

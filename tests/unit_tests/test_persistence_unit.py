@@ -798,3 +798,20 @@ def test_the_tokenizer_fingerprint_is_hashed_once_yet_follows_every_change_trans
     tokenizer.add_special_tokens({"pad_token": "brand-new"})
     seen.add(tokenizer_fingerprint(tokenizer))
     assert len(seen) == 4
+
+
+def test_a_memory_saved_while_read_in_full_attention_loads_and_hands_over_as_the_original(engine, tmp_path):
+    """full_until grows the window past the layout's size; a save made then holds that window, loads, and crosses
+    into the memory exactly as the memory it was saved from."""
+    config = engine.config.replace(full_until=120)
+    memory = engine.new_memory(config)
+    engine.read(memory, token_ids(100, seed=7))
+    assert memory.num_events == 0 and memory.layers[0].length == 100 > config.max_position()
+    save_memory(memory, tmp_path / "full", engine=engine)
+    loaded = load_memory(tmp_path / "full", engine)
+    assert loaded.config.full_until == 120 and memory_differences(memory, loaded) == []
+    ids = memory.token_ids + token_ids(60, seed=8)
+    a = engine.generate(ids, memory=memory, max_new_tokens=10)
+    b = engine.generate(ids, memory=loaded, max_new_tokens=10)
+    assert a.token_ids == b.token_ids and memory.num_events > 0 and memory_differences(memory, loaded) == []
+
