@@ -275,8 +275,7 @@ class EMEngine:
         if memory.config.attention != "episodic" or not memory.store.spills_to_disk:
             return False
         page = memory.store.page_tokens
-        stored_after = memory.total_tokens + n - memory.config.max_position()
-        return stored_after // page > memory.store.num_tokens // page
+        return memory.stored_after(n) // page > memory.store.num_tokens // page
 
     def _read_tokens(self, memory: EpisodicMemory, tokens: torch.Tensor, progress: bool,
                      question_start: int | None) -> int:
@@ -334,12 +333,12 @@ class EMEngine:
             raise ValueError(f"Reading {n} more tokens would bring this memory to {memory.total_tokens + n} tokens, "
                              f"over max_input_tokens={limit}. Raise max_input_tokens or shorten the input.")
         if memory.config.attention == "episodic" and memory.config.disk_budget_mb is not None:
-            # At most max_position() tokens stay in the window, so at least the rest is evicted into sealed pages;
-            # those beyond the RAM (and device) budgets must go to disk.
+            # At most max_position() tokens stay in the window (once past full_until), so at least the rest is
+            # evicted into sealed pages; those beyond the RAM (and device) budgets must go to disk.
             # The event index grows with every event and takes RAM from the pages: at least one event per
             # max_block_size tokens evicted by this read is indexed (a lower bound; surprise cuts more).
-            evicted = memory.total_tokens + n - memory.config.max_position()
-            sealed = max(0, evicted) // memory.store.page_tokens
+            evicted = memory.stored_after(n)
+            sealed = evicted // memory.store.page_tokens
             events = max(0, evicted - memory.store.num_tokens) // memory.config.max_block_size
             held = memory.index_bytes(adding=events)
             memory.store.check_disk_budget(memory.store.pages_beyond_memory(sealed, held))

@@ -90,6 +90,14 @@ class EpisodicMemory:
     def total_tokens(self) -> int:
         return len(self.token_ids)
 
+    def stored_after(self, n: int) -> int:
+        """The fewest tokens in storage once ``n`` more are read: none while the input still fits full attention
+        (EMConfig.full_until), else all but the most a window keeps between forwards (max_position)."""
+        total = self.total_tokens + n
+        if not self.sinks_split and total <= self.config.full_attention_tokens(self.shape.max_positions):
+            return 0
+        return max(0, total - self.config.max_position())
+
     @property
     def num_events(self) -> int:
         return int(self.event_starts.shape[0])

@@ -815,3 +815,14 @@ def test_a_memory_saved_while_read_in_full_attention_loads_and_hands_over_as_the
     b = engine.generate(ids, memory=loaded, max_new_tokens=10)
     assert a.token_ids == b.token_ids and memory.num_events > 0 and memory_differences(memory, loaded) == []
 
+
+
+def test_a_disk_budget_counts_nothing_stored_while_an_input_fits_full_attention(engine, tmp_path):
+    """A read that stays inside full_until stores nothing, so no disk budget refuses it; past it the budget holds."""
+    config = engine.config.replace(full_until=200, ram_budget_mb=0, disk_budget_mb=0, offload_dir=str(tmp_path))
+    memory = engine.new_memory(config)
+    engine.read(memory, token_ids(180, seed=9))
+    assert memory.num_events == 0 and memory.store.num_tokens == 0
+    with pytest.raises(StorageFullError):
+        engine.read(memory, token_ids(200, seed=10))
+    assert memory.total_tokens == 180  # the refused read left the memory as it was
