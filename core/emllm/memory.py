@@ -57,6 +57,7 @@ class EpisodicMemory:
         self.boundary_flags = torch.empty(0, dtype=torch.bool)  # [total] surprise above threshold
         self.sinks_split = False
         self.local_start = 0
+        self.full_tokens = config.full_attention_tokens(shape.max_positions)  # read in full attention up to this
         self.event_starts = torch.empty(0, dtype=torch.long)    # [events] store-relative token positions
         self.event_sizes = torch.empty(0, dtype=torch.long)     # [events]
         self.last_logits: torch.Tensor | None = None            # [vocab] predicting the next token
@@ -94,9 +95,11 @@ class EpisodicMemory:
         """The fewest tokens in storage once ``n`` more are read: none while the input still fits full attention
         (EMConfig.full_until), else all but the most a window keeps between forwards (max_position)."""
         total = self.total_tokens + n
-        if not self.sinks_split and total <= self.config.full_attention_tokens(self.shape.max_positions):
-            return 0
-        return max(0, total - self.config.max_position())
+        return 0 if self.in_full_attention(total) else max(0, total - self.config.max_position())
+
+    def in_full_attention(self, tokens: int) -> bool:
+        """Whether a memory holding ``tokens`` is still read in plain full attention (nothing evicted yet)."""
+        return not self.sinks_split and tokens <= self.full_tokens
 
     @property
     def num_events(self) -> int:
@@ -194,13 +197,14 @@ class EpisodicMemory:
         if config.attention == "full":
             return 0
         window = self.layers[0].length
-        if not self.sinks_split and window <= config.full_attention_tokens(self.shape.max_positions):
-            return 0  # still short enough to be read in plain full attention
+        if self.in_full_attention(window):
+            return 0
         sinks = 0 if self.sinks_split else min(config.n_init, window)
         overflow = window - sinks - config.n_local
         if overflow < config.max_block_size:
             return 0
-        if not self.sinks_split:
+        crossing = not self.sinks_split  # the first eviction: a full-attention start gives its room back after it
+        if crossing:
             for layer in self.layers:
                 layer.set_sinks(sinks)
             self.local_start = sinks
@@ -224,7 +228,8 @@ class EpisodicMemory:
         self.event_sizes = torch.cat([self.event_sizes, sizes])
         for layer in self.layers:
             layer.drop_oldest(end)
-            layer.fit_capacity()  # the window of a full-attention start goes back to the layout's size
+            if crossing:
+                layer.fit_capacity()
         self.local_start += end
         if grows:
             release_freed_memory()
