@@ -15,7 +15,8 @@ import argparse
 import pathlib
 
 from emllm_integrations.bench.settings import RULER_TASKS
-from emllm_integrations.bench.suite import load_cells, paired_difference
+from emllm_integrations.bench.suite import current_cells, load_cells, paired_difference
+from suite_tables import CURRENT  # a sibling script: which folders hold today's EG and tuned RAG
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -25,9 +26,10 @@ def main() -> None:
     parser.add_argument("method", help="the method the goal is about (EG, the default)")
     parser.add_argument("other", help="the method it is held against (rag-minilm, full, F, ...)")
     parser.add_argument("--tolerance", type=float, default=0.0, help="points the method may trail by and still meet")
-    parser.add_argument("--folders", nargs="*", type=pathlib.Path, default=sorted(RESULTS.glob("suite_*")))
+    parser.add_argument("--folders", nargs="*", type=pathlib.Path,
+                        help="bench output folders (default: every run of today's presets, as suite_tables.py)")
     args = parser.parse_args()
-    cells = load_cells(args.folders)
+    cells = load_cells(args.folders) if args.folders else current_cells(RESULTS, CURRENT)
     met = measured = 0
     for length in sorted({k[2] for k in cells}):
         for task in RULER_TASKS:

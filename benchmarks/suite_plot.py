@@ -17,15 +17,16 @@ import pathlib
 import numpy as np
 
 from emllm_integrations.bench.settings import RULER_TASKS
-from emllm_integrations.bench.suite import bootstrap_interval, load_cells
+from emllm_integrations.bench.suite import bootstrap_interval, current_cells, load_cells
+from suite_tables import CURRENT  # a sibling script: which folders hold today's EG and tuned RAG
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-METHODS = ("E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
-STYLE = {"E": ("C3", "o", 2.4), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
+METHODS = ("EG", "E", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
+STYLE = {"EG": ("C3", "o", 2.4), "E": ("C6", "o", 1.2), "rag-minilm": ("C0", "s", 2.0), "rag-mpnet": ("C9", "D", 1.2),
          "rag-tuned": ("C1", "P", 2.0),
          "S": ("C2", "^", 1.2), "SM": ("C4", "x", 0.8), "S+C": ("C5", "x", 0.8), "SM+C": ("C8", "x", 0.8),
          "F": ("C7", "v", 1.2), "full": ("k", "*", 1.2)}
-"""The default and RAG stand out; the paper's other presets are thin."""
+"""The default (EG) and the RAGs stand out; E and the paper's other presets are thin."""
 
 
 def plot(cells: dict[tuple[str, str, int], dict[str, float]], out: pathlib.Path, min_questions: int = 20) -> None:
@@ -75,10 +76,10 @@ def plot(cells: dict[tuple[str, str, int], dict[str, float]], out: pathlib.Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--folders", nargs="*", type=pathlib.Path,
-                        default=sorted(RESULTS.glob("suite_*")), help="bench output folders (default: suite_*)")
+                        help="bench output folders (default: every run of today's presets, as suite_tables.py)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "suite.png")
     args = parser.parse_args()
-    plot(load_cells(args.folders), args.out)
+    plot(load_cells(args.folders) if args.folders else current_cells(RESULTS, CURRENT), args.out)
     print(f"wrote {args.out}")
 
 

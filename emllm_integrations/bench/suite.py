@@ -14,6 +14,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from emllm.config import ConfigError, EMConfig
+
 from .settings import LIST_ANSWER_TOKENS, RULER_TASKS, SETTINGS_FILE
 
 LIST_TASKS = ("niah_multivalue", "niah_multiquery", "variable_tracking", "common_words", "frequent_words")
@@ -40,6 +42,40 @@ def load_cells(folders: list[pathlib.Path]) -> dict[tuple[str, str, int], dict[s
             seen.add(key)
             score = row.get("score")
             cells[key[:3]][row["question"]] = float(bool(row["correct"])) if score is None else float(score)
+    return cells
+
+
+def default_runs(root: pathlib.Path) -> list[pathlib.Path]:
+    """The bench folders under `root` that measured what ships: the test split (seed 0), the default model, and no
+    engine field that changes a preset run there. A development run (seed 1), a larger reader or an option such as
+    ``full_until`` answers other questions or another way, and would blur the shipped presets' cells."""
+    return [settings_file.parent for settings_file in sorted(root.rglob(SETTINGS_FILE))
+            if _runs_as_shipped(settings_file.parent, json.loads(settings_file.read_text()))]
+
+
+def _runs_as_shipped(folder: pathlib.Path, settings: dict) -> bool:
+    if settings.get("seed") != 0 or settings.get("model") is not None:
+        return False
+    fields = settings.get("engine_fields", {})
+    for method in {row["method"] for row in json.loads((folder / "bench.json").read_text())}:
+        try:
+            preset = EMConfig.from_preset(method)
+        except ConfigError:
+            continue  # full attention or a RAG: engine fields do not apply to it
+        if any(getattr(preset, name, None) != value for name, value in fields.items()):
+            return False
+    return True
+
+
+def current_cells(root: pathlib.Path,
+                  current: dict[str, tuple[str, ...]]) -> dict[tuple[str, str, int], dict[str, float]]:
+    """The cells of `default_runs`, a method named in `current` taken only from folders whose top-level name under
+    `root` starts with one of its prefixes: a preset whose definition changed keeps only runs of its current form."""
+    folders = default_runs(root)
+    cells = {k: v for k, v in load_cells(folders).items() if k[1] not in current}
+    for method, prefixes in current.items():
+        made_since = [f for f in folders if f.relative_to(root).parts[0].startswith(prefixes)]
+        cells.update({k: v for k, v in load_cells(made_since).items() if k[1] == method})
     return cells
 
 

@@ -61,3 +61,32 @@ def test_paired_difference_of_equal_cells_is_exactly_zero():
 def test_cells_of_different_documents_are_refused():
     with pytest.raises(ValueError, match="share no question"):
         suite.paired_difference({"a": 1.0}, {"b": 0.0})
+
+
+def _run(root: pathlib.Path, name: str, rows: list[dict], **settings) -> pathlib.Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / SETTINGS_FILE).write_text(json.dumps({"seed": 0, "model": None, "engine_fields": {},
+                                                    "list_answer_tokens": LIST_ANSWER_TOKENS} | settings))
+    (folder / "bench.json").write_text(json.dumps(rows))
+    return folder
+
+
+def test_only_runs_of_what_ships_are_gathered(tmp_path):
+    shipped = _run(tmp_path, "suite_8k", [_row("fact_qa", "E", "q", True)])
+    as_preset = _run(tmp_path, "eg_test", [_row("fact_qa", "EG", "q", True)],
+                     engine_fields={"contiguity_neighbours": 3})  # EG's own value: still EG as shipped
+    _run(tmp_path, "dev", [_row("fact_qa", "E", "q", True)], seed=1)
+    _run(tmp_path, "larger_reader", [_row("fact_qa", "E", "q", True)], model="qwen-1.5b")
+    _run(tmp_path, "option", [_row("fact_qa", "EG", "q", True)], engine_fields={"full_until": 16384})
+    _run(tmp_path, "e_with_neighbours", [_row("fact_qa", "E", "q", True)], engine_fields={"contiguity_neighbours": 3})
+    rag_only = _run(tmp_path, "rag", [_row("fact_qa", "rag-tuned", "q", True)], engine_fields={"n_local": 512})
+    assert sorted(suite.default_runs(tmp_path)) == sorted([shipped, as_preset, rag_only])
+
+
+def test_a_changed_preset_keeps_only_its_current_runs(tmp_path):
+    _run(tmp_path, "suite_within", [_row("fact_qa", "EG", "q1", False), _row("fact_qa", "E", "q1", True)])
+    _run(tmp_path, "eg_neighbours_test", [_row("fact_qa", "EG", "q2", True)])
+    cells = suite.current_cells(tmp_path, {"EG": ("eg_neighbours",)})
+    assert cells[("fact_qa", "EG", 8192)] == {"q2": 1.0}  # the older EG's answer to q1 is left out
+    assert cells[("fact_qa", "E", 8192)] == {"q1": 1.0}  # other methods come from every shipped run
