@@ -10,9 +10,10 @@ The same tokens alone or together: matmul kernels choose their blocking by the n
 can change with the batch it is in (greedy answers of 3 of 8 conversations changed when they shared forwards).
 ``row_block`` finds, once per model, the row multiple at which every linear layer gives each row the result it
 gets in a batch of ``MAX_ROWS``; every decoding forward, a lone conversation's included, is padded to a multiple of
-it (padding rows attend to nothing and cost little: reading the weights, not the rows, is the cost). Off the CPU
-every forward is padded to ``MAX_ROWS`` itself: GPU GEMMs are chosen by row count, so only one shape is trusted
-(row_block). Where no multiple exists, each conversation decodes in its own forward.
+it (padding rows attend to nothing and cost little where reading the weights, not the rows, is the cost). Off the
+CPU every forward is padded to ``MAX_ROWS`` itself: GPU GEMMs are chosen by row count, so only one shape is trusted
+(row_block). Where no multiple exists, or where padding is not cheap on this CPU (padding_is_cheap: float32 on an
+AVX2-only CPU, whose small-row GEMMs cost 3x a one-row forward), each conversation decodes in its own forward.
 
 Who gets batched: every generation of one engine in its decoding loop, whichever thread runs it (MemoryPool callers,
 LangChain's batch/abatch, a web server's request threads). A thread that wants a step queues it; the first thread
@@ -210,8 +211,7 @@ def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
     agrees from 2 rows on. One row in 16-bit weights is never trusted: a single row takes a matrix-vector kernel whose
     rounding differs from the matrix kernels' only near a bf16 rounding boundary (1 element in 896 on a real
     activation, none in the probe's random ones), so a probe cannot see it, yet it changed greedy answers."""
-    linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]
-    linears.append(model.get_output_embeddings())
+    linears = decoding_linears(model)
     if linears[-1].weight.device.type != "cpu":
         # Off the CPU every decoding forward has ``most`` rows. Measured on an H200 (Llama-3.1-8B shape, bf16): the
         # probe found a block of 2, yet 4 of 8 conversations decoded together got other greedy tokens than alone:
@@ -234,6 +234,41 @@ def row_block(model: PreTrainedModel, most: int = MAX_ROWS) -> int | None:
                    for linear, x, full in probes for rows in range(block, most, block)):
                 return block
     return None
+
+
+def decoding_linears(model: PreTrainedModel) -> list[torch.nn.Linear]:
+    """One decoder layer's linear layers and the LM head: what a decoding step's cost and rounding depend on (every
+    decoder layer has the same shapes, so one stands for all)."""
+    linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]
+    return [*linears, model.get_output_embeddings()]
+
+
+def padding_is_cheap(linears: Sequence[torch.nn.Linear], block: int, extra: float = 0.5, repeats: int = 3) -> bool:
+    """Whether ``block`` rows through ``linears`` (a model's decoding_linears) cost at most ``extra`` more than a
+    single row on this CPU, timed once (best of ``repeats``). A lone conversation, the common case, pays for
+    padding to the row block on every token, so padding is worth it only if it is cheap. Measured on an AVX2-only
+    CPU in float32 (Qwen2.5-Coder-0.5B): a 4-row step's linears took 363 ms and a one-row step's 120 ms (small-row
+    GEMMs pack the weights, the one-row kernel streams them; the LM head alone 135 vs 42 ms), so a lone
+    conversation decoded 3x slower padded and four together gained only 1.3x. Always one row is as batch-invariant
+    as always a block: each row's result is then a function of that row alone."""
+    if block <= 1:
+        return True
+    generator = torch.Generator().manual_seed(0)
+
+    def best_seconds(rows: int) -> float:
+        inputs = [torch.randn(rows, 1, linear.in_features, generator=generator).to(linear.weight.dtype)
+                  for linear in linears]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for linear, x in zip(linears, inputs):
+                linear(x)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        best_seconds(block)  # the first call of a shape sets up its kernel
+        return best_seconds(block) <= (1 + extra) * best_seconds(1)
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from . import attention, persistence
-from .batching import StepBatcher, release_thread_workers, row_block
+from .batching import StepBatcher, decoding_linears, padding_is_cheap, release_thread_workers, row_block
 from .codec import EncodedPrompt, Message, Prompt, PromptCodec, refuse_bytes
 from .config import DEFAULT_PRESET, EMConfig
 from .conversation import MemoryMismatchError, OwnMemory, Request, converse
@@ -356,10 +356,14 @@ class EMEngine:
     @property
     def row_block(self) -> int | None:
         """The row multiple from which this model's decoding forwards give each row what it gets alone
-        (batching.row_block), probed at the first call; None where there is none: conversations then decode one
-        forward each."""
+        (batching.row_block), probed at the first call; None where there is none, or where on this CPU a forward of
+        that many rows costs much more than one of a single row (batching.padding_is_cheap): conversations then
+        decode one forward each, each row always alone."""
         if self._row_block is False:
-            self._row_block = row_block(self.model)
+            block = row_block(self.model)
+            linears = decoding_linears(self.model)
+            on_cpu = linears[-1].weight.device.type == "cpu"
+            self._row_block = None if block and on_cpu and not padding_is_cheap(linears, block) else block
             self.batcher.max_rows = 1 if self._row_block is None else self.batcher.max_rows
         return None if self._row_block is False else self._row_block
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from emllm.batching import MAX_ROWS, StepBatcher, row_block
+from emllm.batching import MAX_ROWS, StepBatcher, padding_is_cheap, row_block
 
 from .tiny import tiny_engine, tiny_model, token_ids
 
@@ -64,7 +64,8 @@ def test_conversations_decoding_together_get_the_tokens_they_get_alone(preset, d
     assert all(len(tokens) == 24 for tokens in alone)  # the tiny model never ends early: every step was shared
     assert all(fork.texts.answer_tokens == (20 if preset == "EA" else 0) for fork in forks)  # EA followed its answer
     if engine.row_block is None:
-        pytest.skip("this CPU's matmul kernels give no batch-invariant row count: conversations decode one per "
+        pytest.skip("this CPU's matmul kernels give no batch-invariant row count, or padding to it costs several "
+                    "one-row forwards (emllm.batching.padding_is_cheap): conversations decode one per "
                     "forward (checked above to give the same tokens)")
     assert max(engine.batcher.batch_sizes) > 1  # steps really shared forwards
 
@@ -260,6 +261,26 @@ def test_the_row_block_makes_every_row_what_a_full_batch_gives_it():
             full = head(x)
             assert all(torch.equal(head(x[:rows]), full[:rows]) for rows in range(block, 8, block))
         assert block >= 2 or dtype == torch.float32  # one row of 16-bit weights is never trusted
+
+
+class TimedLinear(torch.nn.Linear):
+    """A linear layer whose forward takes a set time for the first row and another for each further row."""
+
+    def __init__(self, first_row_s: float, per_row_s: float):
+        super().__init__(4, 4)
+        self.first_row_s, self.per_row_s = first_row_s, per_row_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.first_row_s + self.per_row_s * (x.shape[0] - 1))
+        return super().forward(x)
+
+
+def test_padding_to_the_row_block_is_chosen_only_where_it_costs_a_lone_row_little():
+    """A lone conversation pays for padding on every token: where rows cost as much as one row each (small-row
+    GEMMs on an AVX2-only CPU in float32), each conversation decodes alone; where the weights' read is the cost, pad."""
+    assert not padding_is_cheap([TimedLinear(0.004, 0.004)] * 2, block=4)  # 4 rows: 4x one row
+    assert padding_is_cheap([TimedLinear(0.004, 0.0002)] * 2, block=4)     # 4 rows: 1.15x one row
+    assert padding_is_cheap([TimedLinear(0.004, 0.004)], block=1)          # no padding at all
 
 
 def test_off_the_cpu_every_decoding_forward_has_the_full_row_count():
