@@ -134,6 +134,13 @@ class LayerMemory:
         if self.config.attention == "episodic" and self.keys.shape[1] > layout >= self.length:
             self._resize(layout)
 
+    def compact(self) -> None:
+        """Hold no room beyond the window's tokens: for a memory that will only be forked or saved (a pool's
+        checkpoint; a fork allocates its own room). A window holds up to 40% of its layout at rest, so the room
+        was about 40 MB of SmolLM2's per checkpoint; reading on grows it again."""
+        if self.keys.shape[1] > self.length:
+            self._resize(self.length)
+
     def _resize(self, capacity: int) -> None:
         """Reallocate the window's buffers to hold ``capacity`` tokens, keeping the ones it holds. Made as ordinary
         tensors even inside a forward's inference mode: a fork or a save writes into them later, outside it."""
@@ -245,6 +252,10 @@ class LayerMemory:
         self.key_copy, self.key_copy_length, self.key_copy_owned = other.key_copy, other.key_copy_length, False
 
     # ------------------------------------------------------------------ state
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer holds (views included: memory.held_bytes counts each storage once, whole)."""
+        return [*(v for v in vars(self).values() if isinstance(v, torch.Tensor)), self.index.vectors]
+
     def state_dict(self) -> dict[str, Any]:
         """This layer's state outside the page store (tensors by reference: load_state_dict copies what it keeps)."""
         return {

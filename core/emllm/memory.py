@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,7 +188,9 @@ class EpisodicMemory:
         self.surprise = torch.cat([self.surprise, predicted])
         self.boundary_flags = torch.cat([self.boundary_flags, flags.cpu()])
         self.token_ids.extend(ids.tolist())
-        self.last_logits = logits[-1].detach()
+        # A copy, not a view: a view keeps the forward's whole logits alive (a 256-token chunk's are 50 MB of
+        # SmolLM2's; 19 MB of every checkpoint a server session kept).
+        self.last_logits = logits[-1].detach().clone()
 
     # ------------------------------------------------------------------ eviction
     def evict(self) -> int:
@@ -273,6 +275,18 @@ class EpisodicMemory:
                                                 config.max_block_size, last_is_open=True)
 
     # ------------------------------------------------------------------ forking
+    def compact(self) -> None:
+        """Give back the windows' unused room (LayerMemory.compact): a checkpoint kept only to be forked or saved
+        need not hold room to read on."""
+        for layer in self.layers:
+            layer.compact()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this memory holds in RAM or on a device: its layers' windows, caches and indexes, its pages
+        in memory, its event-text embeddings and its own bookkeeping (held_bytes counts them)."""
+        own = [v for v in (*vars(self).values(), *vars(self.texts).values()) if isinstance(v, torch.Tensor)]
+        return [*own, *(t for layer in self.layers for t in layer.held_tensors()), *self.store.held_tensors()]
+
     def fork(self) -> EpisodicMemory:
         """An independent memory that has read exactly what this one has: reading into either never changes the
         other. Evicted pages are shared (they are immutable), so a fork costs a copy of the local windows and
@@ -469,3 +483,21 @@ class EpisodicMemory:
 
 def because(reason: str) -> str:
     return f" ({reason})" if reason else ""
+
+
+def held_bytes(memories: Sequence[EpisodicMemory]) -> dict[str, int]:
+    """The bytes ``memories`` hold together, "ram" and "device": each storage once however many tensors view it
+    and however many forks share it (sealed pages, a key copy), and whole (a window's or page's unused capacity is
+    allocated all the same). What a server's RAM limit must count: evicted KV alone was a quarter of a SmolLM2
+    session's 360 MB (three checkpoints, each with its windows, retrieved events' KV and page being filled)."""
+    storages: dict[tuple[torch.device, int], int] = {}
+    for memory in memories:
+        if memory.closed:
+            continue
+        for tensor in memory.held_tensors():
+            storage = tensor.untyped_storage()
+            storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    held = {"ram": 0, "device": 0}
+    for (device, _), n in storages.items():
+        held["ram" if device.type == "cpu" else "device"] += n
+    return held

@@ -28,7 +28,7 @@ from .config import EMConfig
 from .conversation import converse
 from .decoding import GenerationResult, TextStream
 from .engine import EMEngine
-from .memory import EpisodicMemory
+from .memory import EpisodicMemory, held_bytes
 
 _ENGINES: dict[tuple, EMEngine] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -133,6 +133,7 @@ class MemoryPool:
             if any(m.token_ids == memory.token_ids for m in self._checkpoints()):
                 memory.close()  # the same tokens are already kept
                 return
+            memory.compact()  # from now on it is only forked or saved
             self._recent[id(memory)] = memory
             self._evict()
 
@@ -217,6 +218,13 @@ class MemoryPool:
     @property
     def num_checkpoints(self) -> int:
         return len(self._pinned) + len(self._recent)
+
+    def held_bytes(self) -> dict[str, int]:
+        """The bytes the checkpoints hold in RAM and on a device, all of it (memory.held_bytes), storages that forks
+        share counted once."""
+        with self._lock:
+            memories = self._checkpoints()
+        return held_bytes(memories)
 
     def kv_bytes(self) -> dict[str, int]:
         """Evicted KV bytes the checkpoints hold per tier ("device", "ram", "disk"; the local windows aside); pages

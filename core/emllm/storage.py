@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+TAIL_MIN_TOKENS = 64  # the page being filled starts this large and doubles (PageStore._tail_with_room)
+
 # numpy has no bfloat16: such pages are stored bit-for-bit as int16 and viewed back.
 _NUMPY_VIEW = {torch.bfloat16: (torch.int16, np.int16), torch.float16: (torch.float16, np.float16),
                torch.float32: (torch.float32, np.float32)}
@@ -167,17 +169,32 @@ class PageStore:
         done = 0
         while done < n:
             page_id, offset = divmod(self.num_tokens, self.page_tokens)
-            if offset == 0:
-                self._tail = torch.empty(self.page_shape, dtype=self.dtype, device=self.tiers[0].device)
-            tail = self._tail
-            assert tail is not None  # a part-filled page is always the tail
             take = min(n - done, self.page_tokens - offset)
+            tail = self._tail_with_room(offset, offset + take)
             tail[:, :, offset:offset + take].copy_(kv[:, :, done:done + take])
             done += take
             self.num_tokens += take
             if offset + take == self.page_tokens:  # sealed: from now on it lives in the tiers
                 self._put(0, page_id, tail)
                 self._tail = None
+
+    def _tail_with_room(self, filled: int, rows: int) -> torch.Tensor:
+        """The page being filled, with room for ``rows`` rows (its first ``filled`` kept). It grows by doubling up
+        to a whole page instead of being allocated whole: a conversation's checkpoints each hold a copy of it (a
+        fork copies the page being filled), and whole pages made a server session of three checkpoints of
+        SmolLM2 hold 141 MB of tails for ~400 evicted tokens. The last growth makes it exactly a page."""
+        tail = self._tail if filled else None
+        capacity = 0 if tail is None else tail.shape[2]
+        if capacity >= rows:
+            assert tail is not None
+            return tail
+        grown = torch.empty((*self.page_shape[:2], min(self.page_tokens, max(rows, 2 * capacity, TAIL_MIN_TOKENS)),
+                             *self.page_shape[3:]), dtype=self.dtype, device=self.tiers[0].device)
+        if filled:
+            assert tail is not None  # a part-filled page is always the tail
+            grown[:, :, :filled].copy_(tail[:, :, :filled])
+        self._tail = grown
+        return grown
 
     # ------------------------------------------------------------------ reading
     def gather(self, layer: int, token_index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,6 +471,11 @@ class PageStore:
         """The folder this store writes its pages to (None until the first page goes to disk)."""
         return None if self._folder is None else self._folder.path
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The pages this store holds in memory (RAM or a device), the page being filled included; not the disk's."""
+        pages = [page for tier in self.tiers for page in tier.pages.values()]
+        return pages if self._tail is None else [*pages, self._tail]
+
     def fork(self) -> PageStore:
         """An independent store with the same content. Sealed pages are shared (they never change); only the
         page being filled is copied. Budgets count shared pages in every store that holds them."""
@@ -464,7 +486,7 @@ class PageStore:
         child.disk = _Disk(self.disk.budget_bytes, OrderedDict(self.disk.pages))
         child._disk_files = dict(self._disk_files)
         child._folder = None  # the child writes its own files; it keeps the parent's folder alive via _disk_files
-        child._tail = None if self._tail is None else self._tail.clone()
+        child._tail = None if self._tail is None else self._tail[:, :, :self.num_tokens % self.page_tokens].clone()
         child.digests = dict(self.digests)
         return child
 

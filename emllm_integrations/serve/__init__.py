@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import signal
 import sys
 from typing import Any
 
 from .defaults import STORE_TIMEOUT_S
 
-__all__ = ["add_parser", "serve"]  # the app itself: emllm_integrations.serve.app (needs the [serve] extra)
+# The app itself: emllm_integrations.serve.app (needs the [serve] extra).
+__all__ = ["add_parser", "serve", "settings_of"]
 
 INSTALL = "pip install 'emllm-integrations[serve]'"
 
@@ -37,8 +39,8 @@ def add_parser(sub: Any, common: Any, engine_fields: Any) -> None:
     parser.add_argument("--max-resident-sessions", type=int, default=64,
                         help="sessions kept in RAM; the others come back from the store (default 64)")
     parser.add_argument("--max-resident-gb", type=float, default=None,
-                        help="RAM the resident sessions' stored KV may take; past it the least recently used leave "
-                             "RAM for the store (default: no limit but --max-resident-sessions)")
+                        help="RAM the resident sessions' memories may take (windows, caches, indexes, KV pages); past "
+                             "it the least recently used leave RAM for the store (default: half the machine's RAM)")
     parser.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413 (default 8)")
     parser.add_argument("--default-max-tokens", type=int, default=512,
                         help="answer length when a request gives none (default 512)")
@@ -106,6 +108,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def half_the_ram() -> int | None:
+    """Half the machine's physical RAM (None where the OS does not say): the default bound on resident sessions.
+    A session's memory is hundreds of MB (a SmolLM2 session of one 1,400-token turn held ~400 MB), so 64 resident
+    sessions and no byte bound let a server outgrow a 24 GB machine; the rest of the RAM is the model's and the
+    requests'."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def settings_of(args: argparse.Namespace) -> Any:
     """The ServeSettings the command line gives, its limits checked before anything loads."""
     from .app import ServeSettings
@@ -117,7 +130,7 @@ def settings_of(args: argparse.Namespace) -> Any:
                          "be >= 1, --max-body-mb, --max-resident-gb and --store-timeout > 0.")
     return ServeSettings(sessions=args.sessions, api_keys=tuple(args.api_key),
                          max_resident_sessions=args.max_resident_sessions,
-                         max_resident_bytes=None if args.max_resident_gb is None
+                         max_resident_bytes=half_the_ram() if args.max_resident_gb is None
                          else int(args.max_resident_gb * 2**30),
                          max_body_bytes=int(args.max_body_mb * 2**20), default_max_tokens=args.default_max_tokens,
                          max_messages=args.max_messages, max_concurrent=args.max_concurrent,

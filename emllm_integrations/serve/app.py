@@ -39,7 +39,7 @@ class ServeSettings:
     sessions: str                         # the session store: a local directory
     api_keys: tuple[str, ...] = ()        # when any: one of them is required as a bearer token
     max_resident_sessions: int = 64       # sessions kept in RAM; the rest come back from the store
-    max_resident_bytes: int | None = None  # RAM their stored KV may take (MemoryPool.kv_bytes), else no limit
+    max_resident_bytes: int | None = None  # RAM their memories may take (MemoryPool.held_bytes), else no limit
     max_body_bytes: int = 8 * 2**20       # larger requests get 413
     default_max_tokens: int = 512         # when a request gives neither max_tokens nor max_completion_tokens
     max_messages: int = 1000              # more messages in one request get 413

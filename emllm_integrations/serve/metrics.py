@@ -40,7 +40,11 @@ class Metrics:
         tiers = Gauge("emllm_kv_bytes", "KV bytes held by resident memories, per tier", ["tier"],
                       registry=self.registry)
         for tier in ("device", "ram", "disk"):
-            tiers.labels(tier).set_function(_tier_reader(sessions, tier))
+            tiers.labels(tier).set_function(_tier_reader(sessions.kv_bytes, tier))
+        held = Gauge("emllm_memory_bytes", "Bytes held by resident memories (windows, caches, indexes, KV pages), per "
+                     "tier; what --max-resident-gb bounds", ["tier"], registry=self.registry)
+        for tier in ("device", "ram"):
+            held.labels(tier).set_function(_tier_reader(sessions.held_bytes, tier))
 
     def answered(self, result: Any) -> None:
         """Count a completed generation's tokens."""
@@ -52,5 +56,5 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _tier_reader(sessions: Sessions, tier: str) -> Callable[[], float]:
-    return lambda: float(sessions.kv_bytes().get(tier, 0))
+def _tier_reader(count: Callable[[], dict[str, int]], tier: str) -> Callable[[], float]:
+    return lambda: float(count().get(tier, 0))

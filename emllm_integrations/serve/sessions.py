@@ -63,13 +63,19 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.time)
     kv_bytes: dict[str, int] = field(default_factory=dict)  # its pool's, counted after each turn (for /metrics)
+    held: dict[str, int] = field(default_factory=dict)  # all its pool holds (MemoryPool.held_bytes), likewise
     retired: bool = False  # out of the resident set: closed as soon as no turn holds it
     closed: bool = False
 
     @property
     def ram_bytes(self) -> int:
-        """The KV its checkpoints hold in RAM (and on a device), as counted after its last turn."""
-        return self.kv_bytes.get("ram", 0) + self.kv_bytes.get("device", 0)
+        """What its checkpoints hold in RAM (and on a device): windows, caches, indexes and KV pages, as counted
+        after its last turn."""
+        return self.held.get("ram", 0) + self.held.get("device", 0)
+
+    def count(self) -> None:
+        """Count what its pool holds now (after a turn or a load; with its lock held)."""
+        self.kv_bytes, self.held = self.pool.kv_bytes(), self.pool.held_bytes()
 
     def close_if_idle(self) -> None:
         """Close it now if no turn holds it; else the turn that does closes it when it ends (turn())."""
@@ -289,6 +295,7 @@ class Sessions:
         self.store = open_store(store, store_timeout)
         self.anonymous = MemoryPool(engine, config, max_memories=ANONYMOUS_CONVERSATIONS)
         self._anonymous_kv: dict[str, int] = {}
+        self._anonymous_held: dict[str, int] = {}
         self._resident: OrderedDict[tuple[str, str], Session] = OrderedDict()
         self._lock = threading.Lock()  # the resident set; never held while waiting for a session's lock
         self._stored = self.store.count()
@@ -345,7 +352,7 @@ class Sessions:
         """Put the stored memory (if any) into a new session's pool; with its lock held."""
         if self.store.has(key):
             session.pool.adopt(self.store.load(self.engine, key, self.config))
-        session.kv_bytes = session.pool.kv_bytes()
+        session.count()
 
     def _over_limits(self, keep: tuple[str, str]) -> list[Session]:
         """Take out of the resident set, least recently used first and never ``keep``, the sessions past
@@ -386,7 +393,7 @@ class Sessions:
                 if new:
                     with self._lock:
                         self._stored += 1
-        session.kv_bytes = session.pool.kv_bytes()
+        session.count()
         with self._lock:
             retired = self._over_limits(keep=(space, session_id))
         for old in retired:
@@ -402,7 +409,7 @@ class Sessions:
 
     def anonymous_turn_ended(self) -> None:
         """Count the anonymous pool's KV bytes after one of its turns (for /metrics)."""
-        self._anonymous_kv = self.anonymous.kv_bytes()
+        self._anonymous_kv, self._anonymous_held = self.anonymous.kv_bytes(), self.anonymous.held_bytes()
 
     def describe(self, space: str, session_id: str) -> dict[str, Any] | None:
         """What GET /v1/sessions/{id} shows: where it lives, when it was last used, and its saved memory's tokens,
@@ -451,12 +458,13 @@ class Sessions:
         """KV bytes per tier held by the resident sessions and the anonymous pool, as counted after their last turns
         (MemoryPool.kv_bytes)."""
         with self._lock:
-            counts = [session.kv_bytes for session in self._resident.values()] + [self._anonymous_kv]
-        held: dict[str, int] = {}
-        for count in counts:
-            for tier, n in count.items():
-                held[tier] = held.get(tier, 0) + n
-        return held
+            return _summed([session.kv_bytes for session in self._resident.values()] + [self._anonymous_kv])
+
+    def held_bytes(self) -> dict[str, int]:
+        """All the resident sessions and the anonymous pool hold ("ram", "device"), as counted after their last
+        turns (MemoryPool.held_bytes): what --max-resident-gb bounds."""
+        with self._lock:
+            return _summed([session.held for session in self._resident.values()] + [self._anonymous_held])
 
     def close(self) -> None:
         with self._lock:
@@ -466,3 +474,12 @@ class Sessions:
             session.close()
         self.anonymous.close()
         self.store.close()
+
+
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Byte counts per tier, added up."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for tier, n in count.items():
+            total[tier] = total.get(tier, 0) + n
+    return total

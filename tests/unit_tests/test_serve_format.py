@@ -97,3 +97,19 @@ def test_ray_serve_refuses_bad_settings_before_a_cluster_starts(tmp_path, capsys
         build({"sessions": "s3://bucket/x", "replica": 2})
     with pytest.raises(ValueError, match="no 'sessions' store"):
         build({"replicas": 2})
+
+
+def test_resident_sessions_are_bounded_by_half_the_ram_unless_told_otherwise():
+    """A session holds hundreds of MB; 64 of them unbounded outgrew a 24 GB machine (docs/notes/test-suite-time.md)."""
+    import argparse
+    import os
+
+    from emllm_integrations.serve import settings_of
+
+    args = argparse.Namespace(sessions="./s", api_key=[], max_resident_sessions=64, max_resident_gb=None,
+                              max_body_mb=8.0, default_max_tokens=512, max_messages=256, max_concurrent=8,
+                              store_timeout=30.0)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert settings_of(args).max_resident_bytes == ram // 2 > 0
+    args.max_resident_gb = 1.5
+    assert settings_of(args).max_resident_bytes == int(1.5 * 2**30)

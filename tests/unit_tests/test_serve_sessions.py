@@ -27,11 +27,27 @@ def answer_turn(sessions: Sessions, session_id: str, prompt: list[int]) -> int:
     return result.new_input_tokens
 
 
+def test_a_session_counts_all_its_checkpoints_hold(engine, tmp_path):
+    """--max-resident-gb bounds what sessions really hold: evicted KV alone was a quarter of a SmolLM2 session's RAM
+    (its checkpoints' windows, retrieved events' KV and pages being filled are the rest)."""
+    sessions = Sessions(engine, engine.config, tmp_path, max_resident=8)
+    prompt = token_ids(300, seed=1)
+    answer_turn(sessions, "a", prompt)
+    with sessions.turn("public", "a") as session:
+        held, kv = session.pool.held_bytes(), session.pool.kv_bytes()
+        with session.pool.held(prompt) as memory:
+            windows = sum(layer.keys.nbytes + layer.values.nbytes for layer in memory.layers)
+    assert kv["ram"] > 0 and held["device"] == 0
+    assert held["ram"] >= kv["ram"] + windows
+    assert sessions.held_bytes()["ram"] == held["ram"]
+    sessions.close()
+
+
 def test_past_the_ram_budget_the_least_recently_used_session_leaves_ram_and_comes_back_from_the_store(engine,
                                                                                                         tmp_path):
     one = Sessions(engine, engine.config, tmp_path, max_resident=8)
     answer_turn(one, "a", token_ids(300, seed=1))
-    budget = one.kv_bytes()["ram"] + 1  # room for one session like it, not two
+    budget = one.held_bytes()["ram"] + 1  # room for one session like it, not two
     assert budget > 1
     one.close()
 
