@@ -373,8 +373,8 @@ class EMEngine:
         padded to the row block so each row's result does not depend on the batch (emllm.batching). Returns each
         row's error (None: it went well): a conversation whose own memory fails gets its error, the others go on."""
         block = self.row_block
-        if block is None and len(memories) > 1:  # no batch-invariant row count: one forward each
-            return [self.step([memory], [token])[0] for memory, token in zip(memories, tokens)]
+        if block is None and len(memories) > 1:  # one forward each, and each one's failure its own
+            return [self._step_alone(memory, token) for memory, token in zip(memories, tokens)]
         errors: list[BaseException | None] = [None] * len(memories)
         rows, plans = [], []
         for row, memory in enumerate(memories):
@@ -393,6 +393,14 @@ class EMEngine:
         for index, failure in failures.items():
             errors[rows[index]] = failure
         return errors
+
+    def _step_alone(self, memory: EpisodicMemory, token: int) -> BaseException | None:
+        """One conversation's decoding step in its own forward; an error of that forward is this row's alone (its
+        memory was closed by forward_rows): the conversations after it in the step still run theirs."""
+        try:
+            return self.step([memory], [token])[0]
+        except Exception as error:
+            return error
 
     def forward_rows(self, memories: Sequence[EpisodicMemory | None], ids: torch.Tensor, plans: list[RetrievalPlan],
                      keep: int, failures: dict[int, BaseException] | None = None) -> torch.Tensor:

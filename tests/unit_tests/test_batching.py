@@ -70,7 +70,15 @@ def test_conversations_decoding_together_get_the_tokens_they_get_alone(preset, d
     assert max(engine.batcher.batch_sizes) > 1  # steps really shared forwards
 
 
-def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_memories():
+@pytest.fixture(params=["padded", "one forward each"])
+def decoding(request, monkeypatch):
+    """Both ways a CPU may decode concurrent conversations, whichever this one's timing picks
+    (emllm.batching.padding_is_cheap): padded into shared forwards, or each in its own."""
+    monkeypatch.setattr("emllm.engine.padding_is_cheap", lambda linears, block: request.param == "padded")
+    return request.param
+
+
+def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_memories(decoding):
     engine = tiny_engine("S")
     prompts, memories = _memories(engine, (100, 150))
     forks = [m.fork() for m in memories]
@@ -83,6 +91,20 @@ def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_me
     assert all(isinstance(e, IndexError) for e in errors), errors
     assert all(m.closed and "failed part-way" in m.closed_reason for m in forks)
     assert not any(m.closed for m in memories)  # the memories they were forked from are untouched
+
+
+def test_a_step_of_one_forward_each_gives_each_conversation_its_own_failure(monkeypatch):
+    """A step handed several conversations (the batcher gathers them before the first step decides how to decode)
+    where each decodes alone: one conversation's failing forward closes its memory only, and the next still runs."""
+    monkeypatch.setattr("emllm.engine.padding_is_cheap", lambda linears, block: False)
+    engine = tiny_engine("S")
+    _, memories = _memories(engine, (100, 150))
+    forks = [m.fork() for m in memories]
+    assert engine.row_block is None
+    errors = engine.step(forks, [10**6, 5])  # the first token is past the vocabulary: its forward fails
+    assert isinstance(errors[0], IndexError) and errors[1] is None
+    assert forks[0].closed and "failed part-way" in forks[0].closed_reason and not forks[1].closed
+    assert forks[1].last_logits is not None
 
 
 class InjectedFault(RuntimeError):
@@ -102,7 +124,7 @@ def _fail_from(target, name: str, call: int) -> None:
     setattr(target, name, failing)
 
 
-def test_one_conversations_fault_stays_its_own_over_20_runs():
+def test_one_conversations_fault_stays_its_own_over_20_runs(decoding):
     """Fault injection into one row of batched decoding at a random step: its storing what it read (evict, as a full
     disk does), one layer of its forward (a KV append), or its caller's own code between tokens (a stop callback
     raising while it reads the stream). That conversation gets its error (its memory closed where the memory
