@@ -273,6 +273,16 @@ def padding_is_cheap(linears: Sequence[torch.nn.Linear], block: int, extra: floa
         return best_seconds(block) <= (1 + extra) * best_seconds(1)
 
 
+def decoding_block(model: PreTrainedModel) -> int | None:
+    """The row count decoding forwards are padded to a multiple of (row_block), or None where there is none or
+    where, on the CPU, padding to it is not cheap (padding_is_cheap): conversations then decode one forward each."""
+    block = row_block(model)
+    linears = decoding_linears(model)
+    if block and linears[-1].weight.device.type == "cpu" and not padding_is_cheap(linears, block):
+        return None
+    return block
+
+
 @functools.cache
 def libgomp_pause() -> Callable[[int], int] | None:
     """libgomp's omp_pause_resource_all, if the OpenMP runtime torch loaded is libgomp (Linux wheels); else None."""

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from . import attention, persistence
-from .batching import StepBatcher, decoding_linears, padding_is_cheap, release_thread_workers, row_block
+from .batching import StepBatcher, decoding_block, release_thread_workers
 from .codec import EncodedPrompt, Message, Prompt, PromptCodec, refuse_bytes
 from .config import DEFAULT_PRESET, EMConfig
 from .conversation import MemoryMismatchError, OwnMemory, Request, converse
@@ -95,7 +95,7 @@ class EMEngine:
         # llguidance, compiled on first use
         self.grammars = GrammarCompiler(tokenizer, int(model.config.vocab_size), self.eos_ids)
         self.batcher = StepBatcher(self.step)  # concurrent generations decode their tokens in one forward
-        self._row_block: int | bool | None = False  # batching.row_block, probed at the first decoding step
+        self._row_block: int | bool | None = False  # batching.decoding_block, probed at the first decoding step
         release_thread_workers()  # the load's idle OpenMP workers would slow other threads' forwards (batching.py)
 
     @classmethod
@@ -360,10 +360,7 @@ class EMEngine:
         that many rows costs much more than one of a single row (batching.padding_is_cheap): conversations then
         decode one forward each, each row always alone."""
         if self._row_block is False:
-            block = row_block(self.model)
-            linears = decoding_linears(self.model)
-            on_cpu = linears[-1].weight.device.type == "cpu"
-            self._row_block = None if block and on_cpu and not padding_is_cheap(linears, block) else block
+            self._row_block = decoding_block(self.model)
             self.batcher.max_rows = 1 if self._row_block is None else self.batcher.max_rows
         return None if self._row_block is False else self._row_block
 

@@ -74,7 +74,7 @@ def test_conversations_decoding_together_get_the_tokens_they_get_alone(preset, d
 def decoding(request, monkeypatch):
     """Both ways a CPU may decode concurrent conversations, whichever this one's timing picks
     (emllm.batching.padding_is_cheap): padded into shared forwards, or each in its own."""
-    monkeypatch.setattr("emllm.engine.padding_is_cheap", lambda linears, block: request.param == "padded")
+    monkeypatch.setattr("emllm.batching.padding_is_cheap", lambda linears, block: request.param == "padded")
     return request.param
 
 
@@ -96,7 +96,7 @@ def test_a_forward_that_fails_fails_every_conversation_in_it_and_closes_their_me
 def test_a_step_of_one_forward_each_gives_each_conversation_its_own_failure(monkeypatch):
     """A step handed several conversations (the batcher gathers them before the first step decides how to decode)
     where each decodes alone: one conversation's failing forward closes its memory only, and the next still runs."""
-    monkeypatch.setattr("emllm.engine.padding_is_cheap", lambda linears, block: False)
+    monkeypatch.setattr("emllm.batching.padding_is_cheap", lambda linears, block: False)
     engine = tiny_engine("S")
     _, memories = _memories(engine, (100, 150))
     forks = [m.fork() for m in memories]
