@@ -3,7 +3,8 @@
 The suite's two- and three-hop answers are low for every method, full attention included, so the question is
 whose the loss is. This script takes each question's chain from the bench's own document (the role fact naming
 the question's place, then every fact naming a person found so far) and asks the reader in the bench's chat turn
-with three contexts, each in document order:
+(greedy, up to 48 new tokens, where the bench gives a short answer its own tokens + 16) with three contexts, each
+in document order:
 
 - ``chain``: the chain's facts alone (a retriever that loads the chain and nothing else);
 - ``chain+twins``: the chain and the asked fact's look-alikes (the same template about people no chain reaches,
@@ -28,6 +29,7 @@ from emllm_integrations.bench import ruler
 from emllm_integrations.bench.documents import score
 from emllm_integrations.bench.items import task_items
 from emllm_integrations.bench.settings import BenchSettings
+from emllm_integrations.bench.tasks import SENTENCE_END
 from emllm_integrations.cli import parse_length
 from emllm_integrations.prompts import chat_context, chat_frame
 
@@ -36,7 +38,7 @@ PERSON = re.compile(r"\b([A-Z][a-z]+ [A-Z][a-z]+)\b")
 
 
 def sentences_of(text: str) -> list[str]:
-    return [s for s in re.split(r"(?<=[.!?])\s+", text) if s]
+    return [s for s in SENTENCE_END.split(text) if s]
 
 
 def chain_of(question: str, sentences: list[str], hops: int) -> list[str]:
