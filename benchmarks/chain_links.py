@@ -29,11 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from event_ranking import _evidence, evidence_tokens, selected, token_offsets
+from event_ranking import _evidence, event_of_token, evidence_tokens, selected, token_offsets
 from tqdm.auto import tqdm
 
 from emllm import EMConfig, EMEngine
-from emllm.retrieval import token_index_of_events
 from emllm_integrations.bench.harness import context_ids
 from emllm_integrations.bench.items import task_items
 from emllm_integrations.bench.measure import read_each
@@ -49,31 +48,38 @@ METHODS = ("EG", "pair_embedded", "pair_linked", "EG_less_twins")
 CANDIDATES = 16
 
 
-class Links:
-    """Rare tokens (not in the question) of each event seen with its two neighbours, for one document."""
+class DocumentTokens:
+    """Each event's tokens seen with its two neighbours (a sentence is often cut in two) and how many events hold
+    each token: computed once per document, shared by every question's Links."""
 
-    def __init__(self, event_ids: Sequence[Sequence[int]], question_ids: Sequence[int], rare: int):
+    def __init__(self, event_ids: Sequence[Sequence[int]]):
         count = len(event_ids)
-        frequency: dict[int, int] = {}
+        self.frequency: dict[int, int] = {}
         for ids in event_ids:
             for token in set(ids):
-                frequency[token] = frequency.get(token, 0) + 1
-        asked = set(question_ids)
+                self.frequency[token] = self.frequency.get(token, 0) + 1
         self.windows = [[t for e in range(max(0, i - 1), min(count, i + 2)) for t in event_ids[e]]
                         for i in range(count)]
-        self.rare = [{t for t in w if frequency[t] <= rare and t not in asked} for w in self.windows]
 
-    def linked(self, a: int, b: int, tokens: set[int] | None = None) -> bool:
-        shared = self.rare[a] & self.rare[b]
-        return abs(a - b) > 2 and bool(shared if tokens is None else shared & tokens)
+
+class Links:
+    """For one question: each event's rare tokens (held by at most ``rare`` events) that the question lacks."""
+
+    def __init__(self, document: DocumentTokens, question_ids: Sequence[int], rare: int):
+        asked = set(question_ids)
+        self.windows = document.windows
+        self.rare = [{t for t in w if document.frequency[t] <= rare and t not in asked} for w in self.windows]
+
+    def linked(self, a: int, b: int) -> bool:
+        """Whether events a and b share a rare token and are not one sentence cut in two (neighbours' windows)."""
+        return abs(a - b) > 2 and bool(self.rare[a] & self.rare[b])
 
     def text(self, events: Sequence[int]) -> list[int]:
         return [t for e in sorted(events) for t in self.windows[e]]
 
 
-def pair_embedded(dense: torch.Tensor, question: torch.Tensor, links: Links, embed, gain: float = 0.05) -> list[int]:
+def pair_embedded(candidates: list[int], question: torch.Tensor, links: Links, embed, gain: float = 0.05) -> list[int]:
     """The linked pair (or triple) whose text answers the question better than any one candidate by ``gain``."""
-    candidates = torch.topk(dense, CANDIDATES).indices.tolist()
     pairs = [[a, b] for i, a in enumerate(candidates) for b in candidates[i + 1:] if links.linked(a, b)]
     if not pairs:
         return []
@@ -90,10 +96,9 @@ def pair_embedded(dense: torch.Tensor, question: torch.Tensor, links: Links, emb
     return chain
 
 
-def pair_linked(dense: torch.Tensor, links: Links) -> tuple[list[int], set[int]]:
+def pair_linked(candidates: list[int], dense: torch.Tensor, links: Links) -> tuple[list[int], set[int]]:
     """(the linked pair of candidates with the highest summed cosine, the template tokens: held by three or more
     candidates, apart from neighbours holding the same token)."""
-    candidates = torch.topk(dense, CANDIDATES).indices.tolist()
     holders: dict[int, list[int]] = {}
     for c in sorted(candidates):
         for t in links.rare[c]:
@@ -126,9 +131,8 @@ def run(length: int, seed: int, out: Path, questions: int) -> None:
         event_ids = [memory.token_ids[s:t] for s, t in zip(starts, ends)]
         texts = [engine.tokenizer.decode(ids, skip_special_tokens=True) for ids in event_ids]
         twin = {e for e, t in enumerate(texts) if any(name in t for name in LOOKALIKE_NAMES)}
-        events = torch.arange(memory.num_events)
-        owner = torch.full((memory.total_tokens,), -1, dtype=torch.long)  # -1: sinks and local window
-        owner[token_index_of_events(events, memory.event_boundaries(), sizes)] = torch.repeat_interleave(events, sizes)
+        owner = event_of_token(memory)
+        document = DocumentTokens(event_ids)
         text, offsets = token_offsets(engine.tokenizer, memory.token_ids)
         for (question, expected, _, _), needed in tqdm(zip(item.questions, _evidence(task, length, settings, engine)),
                                                       desc=task, total=len(item.questions)):
@@ -139,14 +143,15 @@ def run(length: int, seed: int, out: Path, questions: int) -> None:
             q = memory.texts.embedder([question_ids])[0]
             dense = memory.texts.embeddings @ q
             count = len(dense)
-            embedded = pair_embedded(dense, q, Links(event_ids, question_ids, rare=4), memory.texts.embedder)
-            links = Links(event_ids, question_ids, rare=2)
-            linked, template = pair_linked(dense, links)
+            candidates = torch.topk(dense, CANDIDATES).indices.tolist()
+            embedded = pair_embedded(candidates, q, Links(document, question_ids, rare=4), memory.texts.embedder)
+            links = Links(document, question_ids, rare=2)
+            linked, template = pair_linked(candidates, dense, links)
             filtered = eg.scorer.answering.keep_within(dense)
             chosen = {"EG": selected(filtered, sizes, eg)}
             chosen["pair_embedded"] = selected(only(embedded, count), sizes, eg) if embedded else chosen["EG"]
             chosen["pair_linked"] = selected(only(linked, count), sizes, eg) if linked else chosen["EG"]
-            twins = {c for c in torch.topk(dense, CANDIDATES).indices.tolist()
+            twins = {c for c in candidates
                      if c not in linked and any(links.rare[c] & links.rare[x] & template for x in linked)}
             kept = [e for e in torch.nonzero(torch.isfinite(filtered)).flatten().tolist() if e not in twins]
             chosen["EG_less_twins"] = selected(only(sorted({*kept, *linked}), count), sizes, eg)

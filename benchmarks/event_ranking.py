@@ -78,6 +78,14 @@ def evidence_tokens(text: str, starts: list[int], answers: tuple[str, ...]) -> l
     return out
 
 
+def event_of_token(memory) -> torch.Tensor:
+    """[tokens] the stored event holding each token of the memory; -1 for the sinks and the local window."""
+    events, sizes = torch.arange(memory.num_events), memory.event_sizes
+    owner = torch.full((memory.total_tokens,), -1, dtype=torch.long)
+    owner[token_index_of_events(events, memory.event_boundaries(), sizes)] = torch.repeat_interleave(events, sizes)
+    return owner
+
+
 def bm25_index(texts: list[str]):
     """A BM25 index of the events' texts, built once per document and asked by every question."""
     import bm25s
@@ -169,9 +177,7 @@ def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUEST
         starts = memory.event_boundaries().tolist()
         sizes = memory.event_sizes
         ends = [s + int(n) for s, n in zip(starts, sizes.tolist())]
-        events = torch.arange(memory.num_events)
-        owner = torch.full((memory.total_tokens,), -1, dtype=torch.long)  # -1: sinks and local window
-        owner[token_index_of_events(events, memory.event_boundaries(), sizes)] = torch.repeat_interleave(events, sizes)
+        owner = event_of_token(memory)
         texts = [engine.tokenizer.decode(memory.token_ids[s:t], skip_special_tokens=True) for s, t in zip(starts, ends)]
         wide = [" ".join(texts[max(0, e - 1):e + 2]) for e in range(len(texts))]
         wide_embeddings = memory.texts.embedder([engine.tokenize(t) for t in wide])
