@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from event_ranking import _evidence, event_of_token, evidence_tokens, selected, token_offsets
+from event_ranking import event_of_token, evidence_sentences, evidence_tokens, selected, token_offsets
 from tqdm.auto import tqdm
 
 from emllm import EMConfig, EMEngine
@@ -134,8 +134,9 @@ def run(length: int, seed: int, out: Path, questions: int) -> None:
         owner = event_of_token(memory)
         document = DocumentTokens(event_ids)
         text, offsets = token_offsets(engine.tokenizer, memory.token_ids)
-        for (question, expected, _, _), needed in tqdm(zip(item.questions, _evidence(task, length, settings, engine)),
-                                                      desc=task, total=len(item.questions)):
+        needed_by_question = evidence_sentences(task, length, settings, engine)
+        for (question, expected, _, _), needed in tqdm(zip(item.questions, needed_by_question), desc=task,
+                                                      total=len(item.questions)):
             answers = needed or ((expected,) if isinstance(expected, str) else tuple(expected))
             evidence = {int(owner[t]) for tokens in evidence_tokens(text, offsets, answers) for t in tokens
                         if t < len(owner) and owner[t] >= 0}

@@ -149,7 +149,7 @@ def following_scores(memory, engine, dense: torch.Tensor, question_ids: list[int
             "follow_answer": standardise(dense) + standardise(memory.texts.embeddings @ alone)}
 
 
-def _evidence(task: str, length: int, settings: BenchSettings, engine) -> list[tuple[str, ...]]:
+def evidence_sentences(task: str, length: int, settings: BenchSettings, engine) -> list[tuple[str, ...]]:
     """Per question, the sentences it needs (a multi-hop chain's every fact), for families that record them; empty
     tuples (count the answers' events) for the others."""
     from emllm_integrations.bench.items import document_seed
@@ -184,7 +184,7 @@ def run(tasks: list[str], length: int, out: Path, questions: int = DEFAULT_QUEST
         neighbourhood = torch.nn.functional.normalize(with_neighbours(memory.texts.embeddings), dim=-1)
         text, offsets = token_offsets(engine.tokenizer, memory.token_ids)
         lexicon = bm25_index(texts)
-        evidence = _evidence(task, length, settings, engine)
+        evidence = evidence_sentences(task, length, settings, engine)
         for (question, expected, depth, _), needed in tqdm(zip(item.questions, evidence), desc=task,
                                                           total=len(item.questions)):
             answers = needed or ((expected,) if isinstance(expected, str) else tuple(expected))
