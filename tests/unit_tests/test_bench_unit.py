@@ -429,7 +429,8 @@ def test_what_the_memory_attends_to_is_re_read_in_document_order():
     assert attended_ids(ids, memory, spans + spans[:1]) == [ids[p] for p in expected]
 
 
-def test_e_text_is_a_bench_method_on_the_default_preset():
+def test_text_rereads_are_bench_methods_on_their_presets():
     from emllm_integrations.bench.settings import REREAD_METHODS, check_methods
 
-    assert check_methods(["E-text", "E"]) == ["E-text", "E"] and REREAD_METHODS["E-text"] == "E"
+    assert check_methods(["E-text", "EG-text", "E"]) == ["E-text", "EG-text", "E"]
+    assert REREAD_METHODS == {"E-text": "E", "EG-text": "EG"}
