@@ -128,7 +128,7 @@ def chat(args: argparse.Namespace) -> int:
             break
         try:
             stream = engine.stream([*messages, {"role": "user", "content": question}], memory=memory,
-                                   max_new_tokens=args.max_new_tokens)
+                                   max_new_tokens=args.max_new_tokens, reread=args.reread)
             for delta in stream:
                 print(delta, end="", flush=True)
         except (ValueError, TypeError) as error:  # e.g. a control character the tokenizer cannot represent
@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     common(p_chat)
     p_chat.add_argument("--file", required=True, help="path of a UTF-8 text file")
     p_chat.add_argument("--max-new-tokens", type=int, default=256)
+    p_chat.add_argument("--reread", action="store_true",
+                        help="answer from the retrieved passages re-read as text (better on questions asking for "
+                        "several items; a few seconds more per question)")
     p_chat.set_defaults(run=chat)
 
     p_bench = sub.add_parser("bench", help="tasks x methods x lengths x depths on one model: JSON, markdown, PNGs",

@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from emllm import (DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool,
                    shared_engine)
-from emllm.decoding import check_sampling
+from emllm.decoding import check_reread, check_sampling
 from emllm.models import check_model
 from emllm.sessions import shared_pool
 from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas
@@ -76,7 +76,7 @@ from .tool_choice import chosen_tools, tool_decoding
 #: EMConfig fields, settable on ChatEMLLM by name (``ChatEMLLM(n_local=1024)``).
 ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EMConfig) if f.name != "extra")
 #: Per-call keyword arguments (``llm.invoke(x, temperature=0.7)`` or ``llm.bind(max_tokens=16)``).
-CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed", "tools", "tool_choice",
+CALL_OPTIONS = ("model", "temperature", "max_tokens", "top_p", "top_k", "seed", "reread", "tools", "tool_choice",
                 "response_format")
 
 _CALL_BLOCKS = ("tool_use", "tool_call", "function_call")
@@ -125,6 +125,10 @@ class ChatEMLLM(BaseChatModel):
     """Sampling seed (with temperature > 0): the same seed gives the same answer."""
     stop: list[str] | None = None
     """Stop strings (any length, cut from the answer). A per-call ``stop`` replaces these."""
+    reread: bool = False
+    """Answer from the events the memory retrieves re-read as text under full attention (emllm.reread): better on
+    questions that ask for several items at once, a few-thousand-token prefill per answer. Per call:
+    ``llm.invoke(x, reread=True)``."""
     streaming: bool = False
     """Invoke through the streaming path (callbacks see each delta either way)."""
 
@@ -153,7 +157,7 @@ class ChatEMLLM(BaseChatModel):
                 "Chat fields: model, revision, token, engine, preset, dtype, device, progress, max_memories, "
                 "temperature, "
                 "max_tokens, top_p, top_k, "
-                "seed, stop, streaming (and LangChain's own, e.g. callbacks, tags, cache).")
+                "seed, stop, reread, streaming (and LangChain's own, e.g. callbacks, tags, cache).")
         if flat:
             values["engine_fields"] = {**(values.get("engine_fields") or {}), **flat}
         return values
@@ -167,6 +171,7 @@ class ChatEMLLM(BaseChatModel):
         elif self.model_name is None:
             self.model_name = self.loaded_engine.model_name
         check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, length_name="max_tokens")
+        check_reread(self.reread)
         if self.max_memories < 1:
             raise ValueError(f"max_memories must be at least 1, got {self.max_memories}.")
         if self.stop is not None and not all(isinstance(s, str) for s in self.stop):
@@ -392,7 +397,7 @@ class ChatEMLLM(BaseChatModel):
         options = sampling_options(kwargs.get("max_tokens", self.max_tokens),
                                    kwargs.get("temperature", self.temperature), kwargs.get("top_p", self.top_p),
                                    kwargs.get("top_k", self.top_k), kwargs.get("seed", self.seed),
-                                   stop if stop is not None else self.stop)
+                                   stop if stop is not None else self.stop, kwargs.get("reread", self.reread))
         return CallOptions(kwargs.get("model"), options, kwargs.get("tools"), kwargs.get("tool_choice"),
                            kwargs.get("response_format"))
 

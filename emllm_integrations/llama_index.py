@@ -50,7 +50,7 @@ DEFAULT_CONTEXT_WINDOW = 1 << 20
 limit (evicted tokens go to RAM, then disk), so any finite number is a policy: 1M tokens is large enough that
 LlamaIndex's response synthesizers never truncate or split a context, which is the point of the memory."""
 
-CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
+CALL_OPTIONS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop", "reread")
 """Settings a single call may override by keyword (``llm.complete(prompt, max_tokens=32)``)."""
 TOOL_OPTIONS = ("tools", "tool_choice")
 """What chat_with_tools passes to chat (OpenAI function dicts, and "auto" / "required" / a tool name)."""
@@ -111,6 +111,8 @@ class EMLLM(FunctionCallingLLM):
     top_k: int = 0
     seed: int | None = None
     stop: list[str] | None = None
+    reread: bool = Field(default=False, description="Answer from the retrieved events re-read as text under full "
+                         "attention (emllm.reread): better on questions asking for several items, slower.")
     dtype: Any = Field(default="auto", description="'auto' (bf16 where fast), 'float32', 'bfloat16', ...")
     device: str | None = None
     progress: bool = Field(default=False, description="Show progress bars while loading and reading.")
@@ -129,7 +131,7 @@ class EMLLM(FunctionCallingLLM):
         fields = {**own.pop("engine_fields", {}), **kwargs}
         config = EMConfig.from_preset(preset, **fields)  # ConfigError names an unknown preset or field
         sampling_options(max_tokens, temperature, own.get("top_p", 1.0), own.get("top_k", 0), own.get("seed"),
-                         own.get("stop"))
+                         own.get("stop"), own.get("reread", False))
         if engine is None:
             check_model(model, revision=own.get("revision"))  # nothing is loaded or downloaded to find out
         elif model is None:
@@ -425,6 +427,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
     top_k: int = 0
     seed: int | None = None
     stop: list[str] | None = None
+    reread: bool = Field(default=False, description="Answer from the retrieved events re-read as text (emllm.reread).")
     progress: bool = False
     template: str = "chat"
     separator_in_context: bool = Field(default=True, description="The chat frame's blank line was read with the "
@@ -447,8 +450,8 @@ class EMLLMQueryEngine(CustomQueryEngine):
     @classmethod
     def from_nodes(cls, nodes: Sequence[BaseNode], model: str | None = None, preset: str = DEFAULT_PRESET, *,
                    max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                   seed: int | None = None, stop: Sequence[str] | None = None, streaming: bool = False,
-                   progress: bool = False, dtype: Any = "auto", device: str | None = None,
+                   seed: int | None = None, stop: Sequence[str] | None = None, reread: bool = False,
+                   streaming: bool = False, progress: bool = False, dtype: Any = "auto", device: str | None = None,
                    revision: str | None = None, token: str | None = None, engine: EMEngine | None = None,
                    metadata_mode: MetadataMode = MetadataMode.NONE, template: str = "chat",
                    **engine_fields: Any) -> EMLLMQueryEngine:
@@ -461,7 +464,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         texts = node_texts(nodes, metadata_mode)
         check_template(template)
         config = EMConfig.from_preset(preset, **engine_fields)
-        sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
+        sampling_options(max_tokens, temperature, top_p, top_k, seed, stop, reread)
         if engine is None:
             check_model(model, revision=revision)
             engine = shared_engine(model, dtype=dtype, device=device, revision=revision, token=token,
@@ -480,7 +483,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         return cls(pool=pool, context_ids=context_ids, nodes=list(nodes), spans=spans,
                    model=str(model or engine.model_name), streaming=streaming, max_tokens=max_tokens,
                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                   stop=list(stop) if stop else None, progress=progress, template=template)
+                   stop=list(stop) if stop else None, reread=reread, progress=progress, template=template)
 
     @property
     def pool(self) -> MemoryPool:
@@ -511,7 +514,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
 
     def _start(self, question: str, max_tokens: int | None = None) -> tuple[TextStream, int]:
         options = sampling_options(max_tokens or self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed,
-                                   self.stop)
+                                   self.stop, self.reread)
         suffix = self.question_ids(question)
         # allow_empty=False: an answer that ended at once would print as 'None' (LlamaIndex's text for no answer).
         return self._pool.stream(self._context_ids + suffix, progress=self.progress, allow_empty=False,
@@ -604,13 +607,13 @@ class EMLLMQueryEngine(CustomQueryEngine):
                     device: str | None = None, revision: str | None = None, token: str | None = None,
                     engine: EMEngine | None = None, max_tokens: int = 256, temperature: float = 0.0,
                     top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
-                    streaming: bool = False, progress: bool = False) -> EMLLMQueryEngine:
+                    reread: bool = False, streaming: bool = False, progress: bool = False) -> EMLLMQueryEngine:
         """A query engine over documents saved by save(): the memory is loaded and verified, nothing is re-read."""
         documents = read_metadata(path).get("llama_index")
         if not isinstance(documents, dict) or documents.get("kind") != SAVE_KIND:
             raise ValueError(f"{path} is a saved episodic memory but not one saved by EMLLMQueryEngine.save(); "
                              "load it with EMEngine.load_memory instead.")
-        sampling_options(max_tokens, temperature, top_p, top_k, seed, stop)
+        sampling_options(max_tokens, temperature, top_p, top_k, seed, stop, reread)
         if engine is None:
             check_model(model, revision=revision)
             engine = shared_engine(model, dtype=dtype, device=device, revision=revision, token=token,
@@ -625,7 +628,7 @@ class EMLLMQueryEngine(CustomQueryEngine):
         return cls(pool=pool, context_ids=list(memory.token_ids), nodes=[json_to_doc(d) for d in documents["nodes"]],
                    spans=[tuple(span) for span in documents["spans"]], model=str(model or engine.model_name),
                    streaming=streaming, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                   seed=seed, stop=list(stop) if stop else None, progress=progress,
+                   seed=seed, stop=list(stop) if stop else None, reread=reread, progress=progress,
                    template=documents.get("template", "text"),  # saves before the chat frame used the text one
                    separator_in_context=documents.get("separator_in_context", False))  # saves before it was
 

@@ -1,5 +1,5 @@
 """One turn of a conversation, the one routine every caller runs: pin, read the new tokens, checkpoint, read the
-prompt, decode.
+prompt, decode (from what the memory retrieved re-read as text, with ``reread=True``: emllm.reread).
 
     request = engine.request(messages, tools=tools, max_new_tokens=64)    # checked and encoded once
     stream = converse(engine, request, OwnMemory(engine, memory))          # EMEngine.stream
@@ -22,6 +22,7 @@ import torch
 from .codec import EncodedPrompt, common_prefix
 from .decoding import Decoding, GenerationResult, TextStream, decode
 from .memory import EpisodicMemory
+from .reread import attention_in_prompt, read_attended
 
 if TYPE_CHECKING:
     from .engine import EMEngine
@@ -87,7 +88,7 @@ def _turn(engine: EMEngine, request: Request, policy: MemoryPolicy, holder: dict
     prompt, settings, progress = request
     ids, question_start = prompt.ids, prompt.question_start
     memory = policy.acquire(ids)
-    answered = False
+    answering, answered = memory, False
     try:
         seen = memory.total_tokens
         if memory.token_ids != ids[:seen] or (seen == len(ids) and memory.last_logits is None):
@@ -108,21 +109,33 @@ def _turn(engine: EMEngine, request: Request, policy: MemoryPolicy, holder: dict
         prefill = time.perf_counter() - started
         policy.checkpoint(memory)
         retrieved = memory.retrieved_events()
+        answering, kept = memory, None
+        if settings.reread and memory.stats()["tokens_evicted"]:  # nothing evicted: it attends to every token
+            started = time.perf_counter()
+            answering, kept = read_attended(engine, memory, ids, progress=progress)
+            prefill += time.perf_counter() - started
         if settings.attribute:
-            memory.attribution = torch.zeros(len(ids) + settings.max_new_tokens)
+            answering.attribution = torch.zeros(answering.total_tokens + settings.max_new_tokens)
         constraint = engine.grammars.constraint(settings.grammar) if settings.grammar is not None else None
         started = time.perf_counter()
         with engine.batcher.decoding() as generation:  # concurrent generations' steps wait briefly for this one's
             answer = yield from engine.batcher.relay(generation, decode(
-                memory, settings, tokenizer=engine.tokenizer, eos_ids=engine.eos_ids, constraint=constraint,
+                answering, settings, tokenizer=engine.tokenizer, eos_ids=engine.eos_ids, constraint=constraint,
                 step=engine.batcher.step))
+        attention = answering.attribution
+        if kept is not None:  # the answer was written in the re-reading memory: the conversation's reads it too
+            attention = attention_in_prompt(attention, kept, len(ids)) if attention is not None else None
+            if len(answer.token_ids) > 1:  # a decode feeds back every token but its last
+                engine.read(memory, answer.token_ids[:-1])
         holder["result"] = GenerationResult(
             text=answer.text, finish_reason=answer.finish_reason, input_tokens=len(ids),
             output_tokens=len(answer.token_ids), new_input_tokens=len(ids) - seen, prefill_seconds=prefill,
             decode_seconds=time.perf_counter() - started, token_ids=answer.token_ids, retrieved_events=retrieved,
-            attention=memory.attribution)
+            attention=attention)
         answered = True
     finally:
+        if answering is not memory:
+            answering.close()
         if not memory.closed:
             memory.attribution = None
         policy.release(memory, answered)

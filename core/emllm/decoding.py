@@ -29,6 +29,7 @@ class Decoding(NamedTuple):
     grammar: Grammar | None = None
     allow_empty: bool = True
     attribute: bool = False  # record where the answer's attention went (GenerationResult.attention)
+    reread: bool = False     # answer from the retrieved events re-read as text under full attention (emllm.reread)
 
 
 @dataclass
@@ -82,11 +83,20 @@ class TextStream:
 
 def decoding(max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
              seed: int | None = None, stop: Iterable[str] | None = None, grammar: Grammar | None = None,
-             allow_empty: bool = True, attribute: bool = False) -> Decoding:
+             allow_empty: bool = True, attribute: bool = False, reread: bool = False) -> Decoding:
     """The decoding settings of one answer, each checked (check_sampling) before any reading."""
     check_sampling(max_new_tokens, temperature, top_p, top_k, seed=seed, stop=stop)
+    check_reread(reread)
     return Decoding(max_new_tokens, temperature, top_p, top_k, seed, list(stop or []), grammar, allow_empty,
-                    attribute)
+                    attribute, reread)
+
+
+def check_reread(reread: Any) -> None:
+    """``reread`` switches a slow reading on: a truthy string such as "false" must not switch it on by accident."""
+    if not isinstance(reread, bool):
+        raise TypeError(f"reread must be True or False (True: answer from the retrieved events re-read as text, "
+                        f"slower, better on questions that ask for several items), got {type(reread).__name__} "
+                        f"{reread!r}.")
 
 
 def decode(memory: EpisodicMemory, settings: Decoding, *, tokenizer: Any, eos_ids: set[int],

@@ -453,15 +453,19 @@ class EMEngine:
     def stream(self, prompt: Prompt, *, memory: EpisodicMemory | None = None, max_new_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: Sequence[str] | None = None, progress: bool = False, tools: list[dict] | None = None,
-               grammar: Grammar | None = None, allow_empty: bool = True, attribute: bool = False) -> TextStream:
+               grammar: Grammar | None = None, allow_empty: bool = True, attribute: bool = False,
+               reread: bool = False) -> TextStream:
         """Generate from a prompt, yielding text deltas. With ``memory``, the prompt must extend what it has read.
 
         ``tools`` (OpenAI function dicts) are listed in the chat (emllm.tools); ``grammar`` constrains what is
         generated (emllm.grammar: a JSON schema, tool calls), checked before anything is read; ``allow_empty=False``
         keeps the end of turn away until the answer has a visible character; ``attribute=True`` records where the
-        answer's attention went (GenerationResult.attention: what sources are credited from)."""
+        answer's attention went (GenerationResult.attention: what sources are credited from); ``reread=True``
+        answers from the events the memory retrieves re-read as text under full attention (emllm.reread: better on
+        questions asking for several items, a few-thousand-token prefill per answer)."""
         settings = decoding(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            stop=stop, grammar=grammar, allow_empty=allow_empty, attribute=attribute)
+                            stop=stop, grammar=grammar, allow_empty=allow_empty, attribute=attribute,
+                            reread=reread)
         if memory is not None and not isinstance(memory, EpisodicMemory):
             raise TypeError(f"memory must be an EpisodicMemory (engine.new_memory()) or None, got "
                             f"{type(memory).__name__} {memory!r}.")

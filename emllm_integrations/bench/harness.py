@@ -23,7 +23,6 @@ from tqdm.auto import tqdm
 from ..prompts import chat_context, chat_frame, format_context
 from .items import TaskItem, task_items
 from .measure import peak_rss_mb, read_each
-from .reread import answer_as_text
 from .ruler import score
 from .settings import (DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_METHODS, DEFAULT_QUESTIONS, FULL_MAX_TOKENS,
                        LIST_ANSWER_TOKENS, RAG_METHODS, REREAD_METHODS, ROW_FIELDS, RULER_TASKS, TASKS, BenchSettings,
@@ -228,7 +227,7 @@ def _ask_all(engine: Any, memory: Any, item: TaskItem, context: list[int], setti
              reread: bool = False) -> Generator[tuple[list[int], Any], None, None]:
     """(prompt ids, generation) for each of the item's questions, in order, each continuing from the memory that
     read the context: a fork of it when more questions follow (the answer's tokens would otherwise be read into it
-    and the next prompt would not extend it). ``reread``: answered by bench.reread.answer_as_text."""
+    and the next prompt would not extend it). ``reread``: answered from the retrieval re-read as text (emllm.reread)."""
     forking = threading.Lock()  # one fork at a time: a fork reads its parent's whole state
 
     def ask(question: tuple[str, str, float, str]) -> tuple[list[int], Any]:
@@ -238,9 +237,7 @@ def _ask_all(engine: Any, memory: Any, item: TaskItem, context: list[int], setti
         try:
             ids = context + _question_ids(engine, item, text, lead)
             budget = max_new_tokens_for(settings, engine, expected)
-            if reread:
-                return ids, answer_as_text(engine, asking, ids, budget)
-            return ids, engine.generate(ids, memory=asking, max_new_tokens=budget)
+            return ids, engine.generate(ids, memory=asking, max_new_tokens=budget, reread=reread)
         finally:
             if asking is not memory:
                 asking.close()

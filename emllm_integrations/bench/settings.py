@@ -24,7 +24,8 @@ practitioner builds (hybrid search, its chunk size chosen on a development split
 REREAD_METHODS = {"E-text": "E", "EG-text": "EG"}
 """Methods that rank and retrieve events as a preset does (E-text: E's ranking; EG-text: the default's, look-alikes
 filtered out), then read what that preset attends to (its sinks, the retrieved events in document order, the local
-window) afresh as text under full attention (bench.reread): KV or text, which reads the same retrieval better."""
+window) afresh as text under full attention (reread=True, emllm.reread): KV or text, which reads the same retrieval
+better."""
 DEFAULT_METHODS = ("EG", "E", "ER", "S", "SM", "S+C", "SM+C", "F", "full", "rag-minilm", "rag-mpnet", "rag-tuned")
 DEFAULT_LENGTHS = (8192, 32768, 65536, 131072)
 DEFAULT_DEPTHS = (0.1, 0.5, 0.9)

@@ -70,7 +70,8 @@ class _Turn:
         self.metrics, self.text = metrics, call.text is not None
         try:
             options = sampling_options(call.options["max_tokens"], call.options["temperature"],
-                                       call.options["top_p"], 0, call.options["seed"], call.options["stop"])
+                                       call.options["top_p"], 0, call.options["seed"], call.options["stop"],
+                                       call.options["reread"])
         except (TypeError, ValueError) as error:
             raise RequestError(str(error)) from None
         prompt: Any = call.text if call.text is not None else call.messages

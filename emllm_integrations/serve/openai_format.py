@@ -1,7 +1,8 @@
 """OpenAI's chat-completions format: checking a request into what the engine needs, and building its responses.
 
 Everything a request asks that the server cannot do (``n`` > 1, log-probabilities, images, audio) is refused with a
-400 naming the field, never ignored; so is any field OpenAI's API does not define.
+400 naming the field, never ignored; so is any field OpenAI's API does not define, but ``reread`` (this server's
+one extension, sent with ``extra_body`` by OpenAI's clients: answer from the retrieved events re-read as text).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", 
             "prompt_cache_key", "model"}
 """Fields read elsewhere (session ids, the model, the stream's usage chunk) or that change nothing here."""
 _SAMPLING = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "stream",
-             "tools", "tool_choice", "response_format"}
+             "tools", "tool_choice", "response_format", "reread"}
 _UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": None, "logit_bias": None, "presence_penalty": 0,
                 "frequency_penalty": 0, "audio": None, "modalities": None, "prediction": None,
                 "reasoning_effort": None, "web_search_options": None, "functions": None, "function_call": None}
@@ -118,6 +119,10 @@ def check_chat_request(body: Any, served_model: str, default_max_tokens: int, se
                            param="response_format")
     if response_format is not None and response_format["type"] == "text":
         response_format = None
+    reread = False if body.get("reread") is None else body["reread"]
+    if not isinstance(reread, bool):
+        raise RequestError(f"reread must be true or false (true: answer from the retrieved events re-read as text, "
+                           f"slower, better on questions that ask for several items), got {reread!r}.", param="reread")
     session = session_header or body.get("session_id") or body.get("prompt_cache_key") or body.get("user")
     if session is not None and (not isinstance(session, str) or not SESSION_ID.fullmatch(session)):
         raise RequestError("A session id (X-Session-Id, session_id, prompt_cache_key or user) is 1-128 letters, "
@@ -127,12 +132,12 @@ def check_chat_request(body: Any, served_model: str, default_max_tokens: int, se
         options={"max_tokens": default_max_tokens if max_tokens is None else max_tokens,
                  "temperature": body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
                  "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
-                 "seed": body.get("seed"), "stop": stop},
+                 "seed": body.get("seed"), "stop": stop, "reread": reread},
         stream=bool(body.get("stream", False)), include_usage=bool(stream_options.get("include_usage", False)),
         tools=tools, tool_choice=body.get("tool_choice"), response_format=response_format, session_id=session)
 
 
-_TEXT_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+_TEXT_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "reread"}
 _TEXT_UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None, "logit_bias": None,
                      "presence_penalty": 0, "frequency_penalty": 0}
 

@@ -302,6 +302,20 @@ def test_query_engine_answers_from_memory_and_names_sources(town_engine):
                                             for d in meta["retrieved_shares"])
 
 
+def test_query_engine_reread_answers_and_credits_the_documents_it_re_read(town_engine):
+    """reread=True: the answer is written from the retrieved events re-read as text, and its attention is credited
+    back to the documents at their own positions, so sources work as without it."""
+    town_engine.reread = True
+    try:
+        response = town_engine.query(FLOWER_QUESTION)
+    finally:
+        town_engine.reread = False
+    assert "hydrangea" in response.response.lower()
+    assert response.metadata["new_input_tokens"] == len(town_engine.question_ids(FLOWER_QUESTION))
+    assert sum(response.metadata["document_shares"].values()) == pytest.approx(1.0)
+    assert MARTA in [n.node.metadata["topic"] for n in response.source_nodes]
+
+
 def test_query_engine_second_question_reuses_memory(town_engine):
     town_engine.query(FLOWER_QUESTION)
     question = "What colour was the lighthouse painted?"

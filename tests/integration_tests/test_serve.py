@@ -187,6 +187,24 @@ def test_a_session_reads_only_its_new_tokens_and_survives_a_kill(store):
         second.stop()
 
 
+def test_reread_through_the_server_answers_as_chat_emllm_does_and_its_session_goes_on(server):
+    """``extra_body={"reread": True}``: the answer ChatEMLLM(reread=True) gives in process; the session then holds
+    the answer as after any turn, so the next turn reads only its own tokens."""
+    from langchain_core.messages import HumanMessage
+
+    from emllm_integrations.langchain import ChatEMLLM
+
+    local = ChatEMLLM(model=SMOL, preset="S", max_tokens=12, reread=True, **LAYOUT).invoke(
+        [HumanMessage(first_turn()[0]["content"])])
+    client = server.client()
+    one = ask(client, first_turn(), session="reread", extra_body={"reread": True})
+    assert one.choices[0].message.content == local.content
+    assert ask(client, first_turn()).choices[0].message.content != local.content  # the flag was not ignored
+    two = ask(client, second_turn(one.choices[0].message.content), session="reread", extra_body={"reread": True})
+    assert two.usage.prompt_tokens_details.cached_tokens >= one.usage.prompt_tokens
+    assert two.choices[0].message.content.strip()
+
+
 def test_history_resent_without_a_session_is_served_from_memory(server):
     client = server.client()
     one = ask(client, first_turn())

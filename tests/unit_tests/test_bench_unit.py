@@ -406,9 +406,9 @@ def test_chat_with_standard_input_closed_says_so_before_loading():
 
 # ---------------------------------------------------------------------- E-text: the same retrieval read as text
 def test_what_the_memory_attends_to_is_re_read_in_document_order():
-    """attended_ids keeps the sinks, the union of the layers' retrieved events (clipped to the evicted part, each
-    token once) and the local window, in document order; a prompt that never left the window is kept whole."""
-    from emllm_integrations.bench.reread import attended_ids
+    """attended_positions keeps the sinks, the union of the layers' retrieved events (each token once) and the
+    local window, in document order; a prompt that never left the window is kept whole."""
+    from emllm.reread import attended_positions
 
     from .tiny import tiny_engine, token_ids
 
@@ -416,7 +416,7 @@ def test_what_the_memory_attends_to_is_re_read_in_document_order():
     short = token_ids(40)
     memory = engine.new_memory()
     engine.generate(short, memory=memory, max_new_tokens=1)
-    assert attended_ids(short, memory, []) == short
+    assert attended_positions(memory).tolist() == list(range(40))
     ids = token_ids(300)
     memory = engine.new_memory()
     result = engine.generate(ids, memory=memory, max_new_tokens=1)
@@ -424,9 +424,9 @@ def test_what_the_memory_attends_to_is_re_read_in_document_order():
     assert len(spans) >= 2
     stats = memory.stats()
     sinks, local = stats["tokens_sinks"], stats["tokens_sinks"] + stats["tokens_evicted"]
-    positions = sorted({p for start, end in [*spans, (spans[0][0], spans[0][1])] for p in range(start, end)})
-    expected = [*range(sinks), *positions, *range(local, len(ids))]
-    assert attended_ids(ids, memory, spans + spans[:1]) == [ids[p] for p in expected]
+    positions = sorted({p for start, end in spans for p in range(start, end)})
+    assert sinks < positions[0] and positions[-1] < local
+    assert attended_positions(memory).tolist() == [*range(sinks), *positions, *range(local, len(ids))]
 
 
 def test_text_rereads_are_bench_methods_on_their_presets():

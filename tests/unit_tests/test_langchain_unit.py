@@ -183,13 +183,22 @@ def test_call_options_override_the_instance_and_are_checked_before_any_work():
     call = llm.call_options(None, {"temperature": 0.9, "seed": 4, "stream": True})
     assert call.model is None and call.tools is None and call.response_format is None
     options = call.sampling
-    assert options == {"max_new_tokens": 9, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "seed": 4, "stop": ["x"]}
+    assert options == {"max_new_tokens": 9, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "seed": 4, "stop": ["x"],
+                       "reread": False}
     assert llm.call_options(["y"], {"model": "m"})[:2] == ("m", {**options, "temperature": 0.2, "seed": None,
                                                                    "stop": ["y"]})
     with pytest.raises(TypeError, match=r"Unknown call option\(s\) \['temprature'\]"):
         llm.call_options(None, {"temprature": 0.5})
     with pytest.raises(ValueError, match="max_tokens must be a positive integer"):
         llm.call_options(None, {"max_tokens": 0})
+
+
+def test_reread_is_an_instance_field_and_a_call_option_checked_before_any_work():
+    assert ChatEMLLM(reread=True).call_options(None, {}).sampling["reread"] is True
+    assert ChatEMLLM().call_options(None, {"reread": True}).sampling["reread"] is True
+    assert ChatEMLLM(reread=True).call_options(None, {"reread": False}).sampling["reread"] is False
+    with pytest.raises(TypeError, match="reread must be True or False"):
+        ChatEMLLM().call_options(None, {"reread": "no"})
 
 
 def test_invoke_with_bad_input_fails_before_loading_weights():

@@ -145,6 +145,13 @@ def test_images_are_refused_and_tool_calls_and_results_become_engine_turns():
 
 
 
+def test_reread_is_a_field_and_a_call_option_checked_before_any_work():
+    assert EMLLM(reread=True).call_options({})["reread"] is True
+    assert EMLLM().call_options({"reread": True})["reread"] is True
+    with pytest.raises(TypeError, match="reread must be True or False"):
+        EMLLM().call_options({"reread": "no"})
+
+
 def test_tools_are_prepared_for_chat_and_calls_read_back_without_loading_a_model():
     from llama_index.core.base.llms.types import ChatResponse
     from llama_index.core.tools import FunctionTool

@@ -20,10 +20,23 @@ def call(body=None, header=None, **fields):
 
 def test_a_plain_request_becomes_sampling_options():
     checked = call(max_tokens=5, temperature=0, stop="END", seed=3)
-    assert checked.options == {"max_tokens": 5, "temperature": 0, "top_p": 1.0, "seed": 3, "stop": ["END"]}
+    assert checked.options == {"max_tokens": 5, "temperature": 0, "top_p": 1.0, "seed": 3, "stop": ["END"],
+                               "reread": False}
     assert checked.messages == [{"role": "user", "content": "hi"}] and not checked.stream
     assert call().options["max_tokens"] == 64 and call().options["temperature"] == 1.0  # OpenAI's defaults
     assert call(max_completion_tokens=7).options["max_tokens"] == 7
+
+
+def test_reread_is_the_one_extension_field_and_must_be_a_boolean():
+    """``reread`` (sent with extra_body) switches the re-read on; a string such as "false" is refused, not read as
+    true, and the 400 names the field."""
+    assert call(reread=True).options["reread"] is True and call(reread=None).options["reread"] is False
+    for bad in ("false", 1):
+        with pytest.raises(RequestError, match="reread must be true or false") as refused:
+            call(reread=bad)
+        assert refused.value.param == "reread" and refused.value.status == 400
+    with pytest.raises(RequestError, match="reread_everything"):
+        call(reread_everything=True)
 
 
 def test_developer_messages_are_system_and_text_parts_join():
