@@ -231,6 +231,26 @@ def test_a_follow_up_question_reads_only_the_new_turn():
     assert reused + second_read == second.usage_metadata["input_tokens"]
 
 
+def test_reread_streams_structured_output_and_the_follow_up_reads_only_its_turn():
+    """reread=True through every layer LangChain uses: a grammar-constrained answer (with_structured_output) written
+    from the retrieved events re-read as text parses; the pool then holds the answer, so a follow-up reads only its
+    own turn."""
+    from pydantic import BaseModel
+
+    class Key(BaseModel):
+        pass_key: int
+
+    llm = ChatEMLLM(model=SMOL, preset="S", max_tokens=24, reread=True, **SMALL)
+    messages, _ = passkey_messages(2000, 0.5, seed=11, engine=llm.engine())
+    parsed = llm.with_structured_output(Key).invoke(messages)
+    assert isinstance(parsed, Key)
+    first = llm.invoke(messages)
+    assert "".join(chunk.content for chunk in llm.stream(messages)) == first.content
+    second = llm.invoke([*messages, AIMessage(first.content), HumanMessage("Say it once more.")])
+    new_turn = second.usage_metadata["input_tokens"] - first.usage_metadata["input_tokens"]
+    assert 0 < second.response_metadata["new_input_tokens"] <= new_turn
+
+
 def test_batch_answers_each_conversation_from_its_own_document():
     """Two conversations with different hidden keys, generated concurrently, each answer its own key."""
     llm = ChatEMLLM(model=SMOL, max_tokens=12, **SMALL)
