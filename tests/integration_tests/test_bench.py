@@ -104,6 +104,27 @@ def test_a_cell_whose_process_fails_gives_error_rows_not_a_crash(tmp_path):
         assert "exited with code" in row["error"] and "no-such-model" in row["error"]
 
 
+def test_cli_chat_rereads_and_answers_follow_ups_from_the_document(tmp_path, monkeypatch, capsys):
+    """``emllm chat --reread``: each answer is written from the retrieved passages re-read as text, and the next
+    question still continues the memory that read the document (no re-reading, no mismatch)."""
+    document = tmp_path / "doc.txt"
+    document.write_text("The lighthouse keeper painted the door blue in 1911. " * 60)
+    questions = iter(["What colour is the door?", "In which year?", EOFError()])
+
+    def ask(prompt=""):
+        item = next(questions)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", ask)
+    code = main(["chat", "--file", str(document), "--model", SMOL, "--max-new-tokens", "6", "--reread", *LAYOUT])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err[-2000:]
+    assert "Traceback" not in printed.err and "Ask again" not in printed.err
+    assert len([line for line in printed.out.splitlines() if line.strip()]) == 2  # both questions answered
+
+
 def test_cli_chat_survives_questions_it_cannot_read(tmp_path, monkeypatch, capsys):
     """A question holding a control character the tokenizer refuses, or bytes that are not UTF-8, is answered with
     one line and the session goes on with the document already read; the next question is answered."""
