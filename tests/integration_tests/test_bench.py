@@ -87,11 +87,14 @@ def test_questions_asked_at_once_get_the_answers_asked_one_at_a_time(monkeypatch
         [(r["method"], r["question"], r["output"], r["correct"]) for r in alone]
     assert all(max(b.batch_sizes, default=1) == 1 for b in batchers[:shared])  # one question at a time
     assert len(batchers) - shared == 2
-    if all(b.max_rows == 1 for b in batchers[shared:]):
+    # The padding probe is timed once per engine (emllm.batching.padding_is_cheap): under load the two engines here
+    # may decide differently, and one that decodes a row per forward cannot share one.
+    sharing = [b for b in batchers[shared:] if b.max_rows > 1]
+    if not sharing:
         pytest.skip("this CPU's matmul kernels give no batch-invariant row count, or padding to it costs several "
                     "one-row forwards (emllm.batching.padding_is_cheap), so each question decoded in its own forward "
                     "(the answers above still had to match)")
-    assert all(max(b.batch_sizes) > 1 for b in batchers[shared:])  # shared forwards
+    assert all(max(b.batch_sizes) > 1 for b in sharing)  # shared forwards
 
 
 @pytest.mark.timeout(300)
