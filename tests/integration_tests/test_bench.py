@@ -107,20 +107,25 @@ def test_a_cell_whose_process_fails_gives_error_rows_not_a_crash(tmp_path):
         assert "exited with code" in row["error"] and "no-such-model" in row["error"]
 
 
+def typed(monkeypatch, lines: list) -> None:
+    """What ``input()`` returns, one item per call, for ``emllm chat``; an exception in ``lines`` is raised there."""
+    answers = iter(lines)
+
+    def read_line(prompt=""):
+        item = next(answers)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", read_line)
+
+
 def test_cli_chat_rereads_and_answers_follow_ups_from_the_document(tmp_path, monkeypatch, capsys):
     """``emllm chat --reread``: each answer is written from the retrieved passages re-read as text, and the next
     question still continues the memory that read the document (no re-reading, no mismatch)."""
     document = tmp_path / "doc.txt"
     document.write_text("The lighthouse keeper painted the door blue in 1911. " * 60)
-    questions = iter(["What colour is the door?", "In which year?", EOFError()])
-
-    def ask(prompt=""):
-        item = next(questions)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    monkeypatch.setattr("builtins.input", ask)
+    typed(monkeypatch, ["What colour is the door?", "In which year?", EOFError()])
     code = main(["chat", "--file", str(document), "--model", SMOL, "--max-new-tokens", "6", "--reread", *LAYOUT])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-2000:]
@@ -133,16 +138,8 @@ def test_cli_chat_survives_questions_it_cannot_read(tmp_path, monkeypatch, capsy
     one line and the session goes on with the document already read; the next question is answered."""
     document = tmp_path / "doc.txt"
     document.write_text("The lighthouse keeper painted the door blue in 1911. " * 40)
-    questions = iter(["What colour is the door?\x04", UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
-                      "What colour is the door?", EOFError()])
-
-    def ask(prompt=""):
-        item = next(questions)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    monkeypatch.setattr("builtins.input", ask)
+    not_utf8 = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    typed(monkeypatch, ["What colour is the door?\x04", not_utf8, "What colour is the door?", EOFError()])
     code = main(["chat", "--file", str(document), "--model", SMOL, "--max-new-tokens", "6", *LAYOUT])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-2000:]
