@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from emllm import (DEFAULT_MODEL, DEFAULT_PRESET, EMConfig, EMEngine, GenerationResult, MemoryPool,
                    shared_engine)
-from emllm.decoding import check_sampling
+from emllm.decoding import check_reread, check_sampling
 from emllm.models import check_model
 from emllm.sessions import shared_pool
 from emllm.tools import InvalidToolCall, ReplyStream, ToolCall, ToolSchemas
@@ -171,6 +171,7 @@ class ChatEMLLM(BaseChatModel):
         elif self.model_name is None:
             self.model_name = self.loaded_engine.model_name
         check_sampling(self.max_tokens, self.temperature, self.top_p, self.top_k, length_name="max_tokens")
+        check_reread(self.reread)
         if self.max_memories < 1:
             raise ValueError(f"max_memories must be at least 1, got {self.max_memories}.")
         if self.stop is not None and not all(isinstance(s, str) for s in self.stop):

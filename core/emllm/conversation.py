@@ -22,7 +22,7 @@ import torch
 from .codec import EncodedPrompt, common_prefix
 from .decoding import Decoding, GenerationResult, TextStream, decode
 from .memory import EpisodicMemory
-from .reread import attended_positions, attention_in_prompt, read_attended
+from .reread import attention_in_prompt, read_attended
 
 if TYPE_CHECKING:
     from .engine import EMEngine
@@ -109,13 +109,11 @@ def _turn(engine: EMEngine, request: Request, policy: MemoryPolicy, holder: dict
         prefill = time.perf_counter() - started
         policy.checkpoint(memory)
         retrieved = memory.retrieved_events()
-        answering, kept = memory, attended_positions(memory) if settings.reread else None
-        if kept is not None and kept.numel() < len(ids):
+        answering, kept = memory, None
+        if settings.reread and memory.stats()["tokens_evicted"]:  # nothing evicted: it attends to every token
             started = time.perf_counter()
-            answering = read_attended(engine, ids, kept, progress=progress)
+            answering, kept = read_attended(engine, memory, ids, progress=progress)
             prefill += time.perf_counter() - started
-        else:  # a prompt the memory attends to whole is answered as it is
-            kept = None
         if settings.attribute:
             answering.attribution = torch.zeros(answering.total_tokens + settings.max_new_tokens)
         constraint = engine.grammars.constraint(settings.grammar) if settings.grammar is not None else None

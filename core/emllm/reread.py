@@ -47,16 +47,18 @@ def attended_positions(memory: EpisodicMemory) -> torch.Tensor:
     return torch.nonzero(kept).flatten()
 
 
-def read_attended(engine: EMEngine, ids: list[int], kept: torch.Tensor, *, progress: bool = False) -> EpisodicMemory:
-    """A full-attention memory that has read, as one prompt, the tokens of ``ids`` at positions ``kept``
-    (attended_positions of the memory that read ``ids``). The caller closes it."""
+def read_attended(engine: EMEngine, memory: EpisodicMemory, ids: list[int], *,
+                  progress: bool = False) -> tuple[EpisodicMemory, torch.Tensor]:
+    """A full-attention memory that has read, as one prompt, the tokens of ``ids`` (the prompt ``memory`` has just
+    read) that ``memory`` attends to; with their positions in ``ids``. The caller closes it."""
+    kept = attended_positions(memory)
     reader = engine.new_memory(EMConfig.from_preset("full"))
     try:
         engine.read(reader, torch.tensor(ids)[kept].tolist(), progress=progress)
     except BaseException:
         reader.close()
         raise
-    return reader
+    return reader, kept
 
 
 def attention_in_prompt(attention: torch.Tensor, kept: torch.Tensor, prompt_tokens: int) -> torch.Tensor:
